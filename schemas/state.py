@@ -1,0 +1,76 @@
+"""What a worker is and what state it is in; carried by handshakes and replies."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PauseMode = Literal["abort", "wait", "keep"]
+SleepTag = Literal["weights", "kv_cache"]
+SLEEP_TAGS: tuple[SleepTag, ...] = ("weights", "kv_cache")
+Backend = Literal["nccl", "gloo", "shm"]
+UpdateMode = Literal["staged", "in_place"]
+UpdateTarget = Literal["main", "draft"]
+DEFAULT_VERSION = "default"
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker can do, from its ready handshake. AND-aggregated across the fleet."""
+
+    sleep_mode_enabled: bool = False
+    weight_transfer_backend: Backend | None = None
+    """The transfer backend the worker was started with; None = cannot receive weights."""
+    has_draft_model: bool = False
+    supports_draft_weight_updates: bool = False
+    model_name: str = ""
+    num_params: int = 0
+    """Parameters of the main model."""
+    update_mode: UpdateMode = "staged"
+
+
+class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's state as it reports it after every command."""
+
+    worker_id: str
+    paused: bool = False
+    pause_mode: PauseMode | None = None
+    sleeping_tags: list[SleepTag] = []
+    """Parts that are asleep; empty when fully awake."""
+    sleep_level: int = 0
+    weights_loaded: bool = True
+    """False after a level-2 sleep until new weights arrive."""
+    in_flight: int = 0
+    """Generation requests running or frozen (keep mode)."""
+    waiting: int = 0
+    """Generation requests queued behind a pause or a sleep."""
+    weight_version: str = DEFAULT_VERSION
+    draft_version: str | None = None
+    param_bytes: int = 0
+    """Bytes of parameter storage resident in the engine (0 when weights sleep)."""
+    kv_cache_bytes: int = 0
+    """Bytes of KV cache resident in the engine (0 when the cache sleeps)."""
+    dirty: bool = False
+    """in_place mode: an aborted update left weights half-written; generation refused."""
+    session_id: str | None = None
+    """The open weight-update session, if any."""
+    transfer_ready: bool = False
+    """The worker has joined a weight-transfer group."""
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One registry entry as the controller reports it."""
+
+    worker_id: str
+    capabilities: Capabilities
+    state: WorkerState
+    rank: int
+    """Stable order of the worker in the fleet (weight-transfer rank = rank_offset + rank)."""
+    last_seen_s: float = 0.0
+    """Seconds since the controller last heard from the worker."""
+    stale: bool = False
+    """Registered on a version older than the committed one."""

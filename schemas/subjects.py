@@ -1,0 +1,80 @@
+"""Subject builders. Every subject rlbus uses is spelled here and nowhere else."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Refuse a subject token that would change the subject's shape (dots, wildcards, spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must be letters, digits, '_' or '-' only")
+    return value
+
+
+class Subjects(msgspec.Struct, frozen=True):
+    """All subjects under one prefix (default ``rl``)."""
+
+    prefix: str = "rl"
+
+    def __post_init__(self) -> None:
+        for part in self.prefix.split("."):
+            check_token(part, "subject prefix part")
+
+    def control(self, op: str) -> str:
+        """trainer -> controller, request/reply, one op per subject."""
+        return f"{self.prefix}.control.{op}"
+
+    def worker(self, worker_id: str, op: str) -> str:
+        """controller -> one worker, request/reply."""
+        return f"{self.prefix}.worker.{worker_id}.{op}"
+
+    def worker_commands(self, worker_id: str) -> str:
+        return f"{self.prefix}.worker.{worker_id}.*"
+
+    @property
+    def worker_ready(self) -> str:
+        """worker -> controller: the ready handshake."""
+        return f"{self.prefix}.worker.ready"
+
+    @property
+    def worker_heartbeat(self) -> str:
+        """worker -> controller: liveness beats."""
+        return f"{self.prefix}.worker.heartbeat"
+
+    @property
+    def worker_gone(self) -> str:
+        """worker -> controller: a clean goodbye on shutdown."""
+        return f"{self.prefix}.worker.gone"
+
+    @property
+    def controller_hello(self) -> str:
+        """controller -> all workers: re-announce yourselves."""
+        return f"{self.prefix}.controller.hello"
+
+    @property
+    def version(self) -> str:
+        """controller -> anyone: a version was committed."""
+        return f"{self.prefix}.version"
+
+    def event(self, kind: str) -> str:
+        """controller -> anyone: fleet state events."""
+        return f"{self.prefix}.events.{kind}"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    @property
+    def generate(self) -> str:
+        """client -> workers (queue group): generation on the reference engine."""
+        return f"{self.prefix}.generate"
+
+    @property
+    def kv_bucket(self) -> str:
+        """JetStream KV bucket holding durable controller state."""
+        return f"{self.prefix.replace('.', '_')}_state"
