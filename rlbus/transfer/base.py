@@ -1,0 +1,121 @@
+"""What a transfer backend is: the trainer and worker protocols, handles, typed errors.
+
+Every call here is a plain blocking function: services run them in a thread they
+own, never on the event loop. No call may block forever: every wait is bounded by
+``TransferInit.timeout_s``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from rlbus.schemas import TransferInit
+
+
+class TransferError(Exception):
+    """The data plane failed; the group is no longer usable and should be closed."""
+
+
+class TransferTimeout(TransferError):
+    """A rendezvous or a transfer did not finish within ``TransferInit.timeout_s``."""
+
+
+class PlanError(TransferError, ValueError):
+    """Tensor or bucket metadata is inconsistent (bad dtype, overlapping or out-of-range bytes)."""
+
+
+class UnsupportedDType(PlanError):
+    """A torch dtype (or DType name) the wire contract has no name for."""
+
+
+class ChecksumMismatch(TransferError):
+    """A received bucket's bytes do not hash to the checksum in its metadata."""
+
+    def __init__(self, bucket: int, expected: str, got: str, *, others: tuple[int, ...] = ()) -> None:
+        more = f" (and buckets {list(others)})" if others else ""
+        super().__init__(f"bucket {bucket}: checksum {got} != expected {expected}{more}")
+        self.bucket = bucket
+        self.expected = expected
+        self.got = got
+        self.others = others
+        """Indices of further buckets that also failed verification."""
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An operation in flight."""
+
+    def wait(self) -> None:
+        """Block until the operation is done; raise TransferError/TransferTimeout on failure."""
+        ...
+
+
+class Done:
+    """A handle for an operation that already finished."""
+
+    def wait(self) -> None:
+        return None
+
+
+@runtime_checkable
+class TrainerTransfer(Protocol):
+    """Rank 0 of a weight-transfer group: hosts the rendezvous and sends buckets."""
+
+    def bind(self, init: TransferInit) -> TransferInit:
+        """Start hosting the rendezvous without waiting for anyone.
+
+        Returns ``init`` with ``master_port`` filled in (a free port when it was 0),
+        so the trainer can hand it to workers before blocking in :meth:`open`.
+        """
+        ...
+
+    def open(self, init: TransferInit) -> TransferInit:
+        """Bind if not yet bound, then block until all ``world_size`` ranks joined.
+
+        Raises TransferTimeout after ``init.timeout_s``. Returns the bound init.
+        """
+        ...
+
+    def send(self, buf: torch.Tensor) -> Handle:
+        """Start sending the next bucket (a contiguous CPU uint8 tensor) to every worker.
+
+        ``buf`` must not be modified until the handle's ``wait()`` returned.
+        """
+        ...
+
+    def close(self) -> None:
+        """Tear the group down. Never hangs; safe to call twice or after a failure."""
+        ...
+
+
+@runtime_checkable
+class WorkerTransfer(Protocol):
+    """Rank ``rank`` (>= 1) of a weight-transfer group: receives buckets."""
+
+    def join(self, init: TransferInit, rank: int) -> None:
+        """Connect to the trainer's rendezvous; block until the group is formed.
+
+        Raises TransferTimeout after ``init.timeout_s``.
+        """
+        ...
+
+    def recv(self, buf: torch.Tensor) -> Handle:
+        """Start receiving the next bucket into ``buf`` (contiguous CPU uint8 of exactly
+        the bucket's size). Receives complete in the order they were started."""
+        ...
+
+    def close(self) -> None:
+        """Leave the group. Never hangs; safe to call twice or after a failure."""
+        ...
+
+
+def timeout_error(init: TransferInit, what: str, cause: BaseException | None = None) -> TransferError:
+    """Sort a torch/store failure: a timeout becomes TransferTimeout, anything else TransferError."""
+    text = f"{what} failed in group {init.group_name!r}" + (f": {cause}" if cause else "")
+    msg = str(cause or "").lower()
+    if cause is None or "timeout" in msg or "timed out" in msg or isinstance(cause, TimeoutError):
+        return TransferTimeout(f"{what} timed out after {init.timeout_s}s in group {init.group_name!r}"
+                               + (f": {cause}" if cause else ""))
+    return TransferError(text)

@@ -1,0 +1,201 @@
+"""Bucket planning and packing: many named tensors <-> a few fixed-size byte buffers.
+
+A plan assigns every tensor, in input order, a byte range inside a bucket; each
+range starts on a 64-byte boundary so the bytes can be viewed back as any dtype
+without copying. Pad bytes are zeroed, so a bucket's checksum depends only on the
+tensors' bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rlbus.schemas import BucketMeta, DType, ParamMeta
+from rlbus.transfer.base import PlanError, UnsupportedDType
+
+ALIGN = 64
+"""Every tensor (and every bucket inside a pool) starts on this byte boundary."""
+
+_TO_TORCH: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_TO_NAME: dict[torch.dtype, DType] = {v: k for k, v in _TO_TORCH.items()}  # type: ignore[misc]
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+def dtype_name(dtype: torch.dtype) -> DType:
+    """The wire name of a torch dtype; UnsupportedDType for one the contract lacks."""
+    try:
+        return _TO_NAME[dtype]
+    except KeyError:
+        raise UnsupportedDType(f"dtype {dtype} cannot be sent; supported: {sorted(_TO_TORCH)}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; UnsupportedDType for an unknown name."""
+    try:
+        return _TO_TORCH[name]
+    except KeyError:
+        raise UnsupportedDType(f"unknown dtype {name!r}; supported: {sorted(_TO_TORCH)}") from None
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a dense tensor of this dtype and shape."""
+    return math.prod(shape) * torch_dtype(dtype).itemsize
+
+
+def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[ParamMeta], list[int]]:
+    """Assign every tensor a 64-byte-aligned range in a bucket, in input order.
+
+    A bucket never exceeds ``bucket_bytes`` unless one tensor alone is larger: that
+    tensor then gets a bucket of its own, of exactly its aligned size. Returns the
+    ParamMeta list (input order) and the byte size of every bucket.
+    """
+    if bucket_bytes <= 0:
+        raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    metas: list[ParamMeta] = []
+    sizes: list[int] = []
+    seen: set[str] = set()
+    end = 0  # bytes used in the open bucket; the open bucket is index len(sizes)
+    open_bucket = False
+
+    def close() -> None:
+        nonlocal end, open_bucket
+        if open_bucket:
+            sizes.append(min(align_up(end), bucket_bytes))
+        end, open_bucket = 0, False
+
+    for name, t in named:
+        if name in seen:
+            raise PlanError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        dtype = dtype_name(t.dtype)
+        nbytes = t.numel() * t.element_size()
+        shape = list(t.shape)
+        if nbytes > bucket_bytes:
+            close()
+            metas.append(ParamMeta(name=name, dtype=dtype, shape=shape, bucket=len(sizes), offset=0, nbytes=nbytes))
+            sizes.append(align_up(nbytes))
+            continue
+        offset = align_up(end)
+        if open_bucket and offset + nbytes > bucket_bytes:
+            close()
+            offset = 0
+        metas.append(ParamMeta(name=name, dtype=dtype, shape=shape, bucket=len(sizes), offset=offset, nbytes=nbytes))
+        end, open_bucket = offset + nbytes, True
+    close()
+    return metas, sizes
+
+
+def by_bucket(metas: Sequence[ParamMeta], num_buckets: int) -> list[list[ParamMeta]]:
+    """The metas of each bucket, each list in offset order."""
+    out: list[list[ParamMeta]] = [[] for _ in range(num_buckets)]
+    for m in metas:
+        out[m.bucket].append(m)
+    for group in out:
+        group.sort(key=lambda m: m.offset)
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes (a contiguous copy first if it is strided)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def pack(
+    bucket_index: int,
+    metas: Sequence[ParamMeta],
+    named_lookup: Mapping[str, torch.Tensor],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Copy the bytes of every tensor of bucket ``bucket_index`` into ``out``.
+
+    ``metas`` may hold every ParamMeta of the plan or just this bucket's. ``out`` is
+    a contiguous CPU uint8 buffer of at least the bucket's size; gaps between
+    tensors (and up to the last tensor's aligned end) are zeroed. Returns ``out``.
+    """
+    if out.dtype != torch.uint8 or not out.is_contiguous():
+        raise PlanError("pack needs a contiguous uint8 output buffer")
+    mine = sorted((m for m in metas if m.bucket == bucket_index), key=lambda m: m.offset)
+    pos = 0
+    for m in mine:
+        t = named_lookup.get(m.name)
+        if t is None:
+            raise PlanError(f"tensor {m.name!r} of the plan is missing")
+        if dtype_name(t.dtype) != m.dtype or t.numel() * t.element_size() != m.nbytes:
+            raise PlanError(f"tensor {m.name!r} changed since planning (dtype/shape)")
+        if m.offset + m.nbytes > out.numel():
+            raise PlanError(f"tensor {m.name!r} does not fit the output buffer")
+        if m.offset > pos:
+            out[pos : m.offset].zero_()
+        if m.nbytes:
+            out[m.offset : m.offset + m.nbytes].copy_(as_bytes(t))
+        pos = max(pos, m.offset + m.nbytes)
+    tail = min(align_up(pos), out.numel())
+    if tail > pos:
+        out[pos:tail].zero_()
+    return out
+
+
+def unpack(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta]) -> list[tuple[str, torch.Tensor]]:
+    """Zero-copy views into ``buf``, one per tensor, with its dtype and shape.
+
+    The views alias ``buf``: copy them before the buffer is reused.
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    for m in metas_of_bucket:
+        raw = buf[m.offset : m.offset + m.nbytes]
+        out.append((m.name, raw.view(torch_dtype(m.dtype)).view(m.shape)))
+    return out
+
+
+def validate(params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]) -> None:
+    """Check metadata a worker received before any byte moves; PlanError if inconsistent.
+
+    Buckets must be numbered 0..n-1 in order; every tensor must have a known dtype,
+    a byte count that matches its shape, and a range inside its bucket that
+    overlaps no other tensor; names must be unique.
+    """
+    for i, b in enumerate(buckets):
+        if b.index != i:
+            raise PlanError(f"bucket {i} has index {b.index}; buckets must be numbered 0..n-1 in order")
+        if b.nbytes < 0:
+            raise PlanError(f"bucket {i} has negative size")
+    names: set[str] = set()
+    for m in params:
+        if m.name in names:
+            raise PlanError(f"tensor name {m.name!r} appears twice")
+        names.add(m.name)
+        if any(d < 0 for d in m.shape):
+            raise PlanError(f"tensor {m.name!r} has a negative dimension")
+        if tensor_nbytes(m.dtype, m.shape) != m.nbytes:
+            raise PlanError(f"tensor {m.name!r}: nbytes {m.nbytes} does not match {m.dtype}{m.shape}")
+        if not 0 <= m.bucket < len(buckets):
+            raise PlanError(f"tensor {m.name!r} names bucket {m.bucket}, there are {len(buckets)}")
+        if m.offset < 0 or m.offset + m.nbytes > buckets[m.bucket].nbytes:
+            raise PlanError(f"tensor {m.name!r} lies outside bucket {m.bucket}")
+        if m.offset % torch_dtype(m.dtype).itemsize:
+            raise PlanError(f"tensor {m.name!r} is misaligned for {m.dtype}")
+    for group in by_bucket(params, len(buckets)):
+        for a, b in zip(group, group[1:]):
+            if a.nbytes and b.nbytes and a.offset + a.nbytes > b.offset:
+                raise PlanError(f"tensors {a.name!r} and {b.name!r} overlap in bucket {a.bucket}")

@@ -1,0 +1,192 @@
+"""The hot path: named tensors -> checksummed buckets -> the wire -> a sink, on both sides.
+
+Workers must see every bucket's checksum (in ``UpdateWeights``) before the first
+byte moves, so checksums exist before sending. Two ways to get there:
+
+* **pack once** (:func:`pack_all` then :func:`send_packed`) — the default and the
+  fastest: every bucket is packed into one reusable pool, hashed, and later sent
+  straight from the pool. Each byte of the model is read once to pack and once to
+  hash; sending needs no further copy. Cost: host memory for one packed copy of
+  the model (pass the previous ``Packed.pool`` back in to reuse it every step).
+* **pack twice** (:func:`checksums` then :func:`send_buckets`) — constant memory
+  (two buckets): a first pass packs each bucket into scratch only to hash it; the
+  send pass packs again, bucket ``k+1`` while bucket ``k`` is on the wire. Costs a
+  second read of the model; use it when a packed copy does not fit in RAM. The
+  tensors must not change between the two passes.
+
+At most two buckets are in flight on either side, which bounds staging memory
+(nccl) and matches the shm backend's two slots. The receiver verifies bucket
+``k`` and hands its tensors to the sink while bucket ``k+1`` arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rlbus.schemas import BucketMeta, ParamMeta
+from rlbus.transfer.base import ChecksumMismatch, Handle, PlanError, TrainerTransfer, WorkerTransfer
+from rlbus.transfer.buckets import align_up, by_bucket, pack, plan, unpack, validate
+from rlbus.transfer.checksum import checksum
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+Named = Sequence[tuple[str, torch.Tensor]]
+Sink = Callable[[str, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every tensor goes: its ParamMeta and the size of every bucket."""
+
+    params: list[ParamMeta]
+    bucket_sizes: list[int]
+    per_bucket: list[list[ParamMeta]] = field(repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    @property
+    def max_bucket(self) -> int:
+        return max(self.bucket_sizes, default=0)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Every bucket of a plan packed into one pool, with its checksum."""
+
+    plan: Plan
+    pool: torch.Tensor
+    """Reusable: pass it to the next :func:`pack_all`."""
+    buffers: list[torch.Tensor]
+    """Bucket ``k``'s bytes: a view into ``pool`` of exactly its size."""
+    buckets: list[BucketMeta]
+
+
+def prepare(named: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    """Plan the buckets for ``named`` (input order, 64-byte aligned)."""
+    params, sizes = plan(named, bucket_bytes)
+    return Plan(params=params, bucket_sizes=sizes, per_bucket=by_bucket(params, len(sizes)))
+
+
+def alloc_buffers(nbytes: int, count: int = 2) -> list[torch.Tensor]:
+    """``count`` uint8 buffers of ``nbytes``, pages already touched (zeroed)."""
+    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
+
+
+def pack_and_checksum(p: Plan, named: Named | Mapping[str, torch.Tensor],
+                      scratch: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor, str]]:
+    """Yield ``(index, bytes, checksum)`` per bucket, packed into one scratch buffer.
+
+    The yielded tensor is overwritten by the next bucket.
+    """
+    lookup = _lookup(named)
+    buf = scratch if scratch is not None and scratch.numel() >= p.max_bucket else alloc_buffers(p.max_bucket, 1)[0]
+    for k, size in enumerate(p.bucket_sizes):
+        out = buf[:size]
+        pack(k, p.per_bucket[k], lookup, out)
+        yield k, out, checksum(out)
+
+
+def checksums(p: Plan, named: Named | Mapping[str, torch.Tensor]) -> list[BucketMeta]:
+    """Pass one of pack-twice: the BucketMeta of every bucket, in constant memory."""
+    return [BucketMeta(index=k, nbytes=buf.numel(), checksum=c) for k, buf, c in pack_and_checksum(p, named)]
+
+
+def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.Tensor | None = None) -> Packed:
+    """Pack every bucket once into a pool (reused when big enough) and hash it."""
+    lookup = _lookup(named)
+    offsets, end = [], 0
+    for size in p.bucket_sizes:
+        offsets.append(end)
+        end = align_up(end + size)
+    if pool is None or pool.numel() < end:
+        pool = torch.empty(end, dtype=torch.uint8)
+    buffers, metas = [], []
+    for k, (off, size) in enumerate(zip(offsets, p.bucket_sizes)):
+        out = pool[off : off + size]
+        pack(k, p.per_bucket[k], lookup, out)
+        buffers.append(out)
+        metas.append(BucketMeta(index=k, nbytes=size, checksum=checksum(out)))
+    return Packed(plan=p, pool=pool, buffers=buffers, buckets=metas)
+
+
+def send_packed(tx: TrainerTransfer, packed: Packed) -> None:
+    """Send every packed bucket in order, at most two in flight; returns when all are sent."""
+    window: list[Handle] = []
+    for buf in packed.buffers:
+        if len(window) == 2:
+            window.pop(0).wait()
+        window.append(tx.send(buf))
+    for h in window:
+        h.wait()
+
+
+def send_buckets(tx: TrainerTransfer, p: Plan, named: Named | Mapping[str, torch.Tensor],
+                 *, scratch: list[torch.Tensor] | None = None) -> None:
+    """Pass two of pack-twice: pack bucket ``k+1`` while bucket ``k`` is on the wire.
+
+    ``scratch``: two reusable buffers of at least ``p.max_bucket`` bytes.
+    """
+    lookup = _lookup(named)
+    bufs = scratch if scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= p.max_bucket \
+        else alloc_buffers(p.max_bucket)
+    inflight: list[Handle | None] = [None, None]
+    for k, size in enumerate(p.bucket_sizes):
+        slot = k % 2
+        if inflight[slot] is not None:
+            inflight[slot].wait()  # type: ignore[union-attr]
+        out = bufs[slot][:size]
+        pack(k, p.per_bucket[k], lookup, out)
+        inflight[slot] = tx.send(out)
+    for h in inflight:
+        if h is not None:
+            h.wait()
+
+
+def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], sink: Sink,
+                 *, scratch: list[torch.Tensor] | None = None) -> None:
+    """Receive every bucket, verify its checksum, and call ``sink(name, view)`` per tensor.
+
+    ``view`` aliases a reused receive buffer: the sink must copy it before returning.
+    A bucket whose checksum does not match is not passed to the sink; the remaining
+    buckets are still received (so the group stays in step with the trainer) and
+    ChecksumMismatch is raised at the end, naming the first bad bucket. Validate the
+    metadata (:func:`rlbus.transfer.buckets.validate`) before acknowledging the
+    update: a PlanError raised here leaves the trainer's sends unanswered until
+    they time out.
+    """
+    validate(params, buckets)
+    per_bucket = by_bucket(params, len(buckets))
+    biggest = max((b.nbytes for b in buckets), default=0)
+    bufs = scratch if scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest \
+        else alloc_buffers(biggest)
+    if not buckets:
+        return
+    bad: list[tuple[int, str, str]] = []
+    pending = rx.recv(bufs[0][: buckets[0].nbytes])
+    for k, meta in enumerate(buckets):
+        pending.wait()
+        buf = bufs[k % 2][: meta.nbytes]
+        if k + 1 < len(buckets):
+            pending = rx.recv(bufs[(k + 1) % 2][: buckets[k + 1].nbytes])
+        got = checksum(buf)
+        if got != meta.checksum:
+            bad.append((k, meta.checksum, got))
+            continue
+        for name, view in unpack(buf, per_bucket[k]):
+            sink(name, view)
+    if bad:
+        k, expected, got = bad[0]
+        raise ChecksumMismatch(k, expected, got, others=tuple(b[0] for b in bad[1:]))
+
+
+def _lookup(named: Named | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    if isinstance(named, Mapping):
+        return named
+    lookup = dict(named)
+    if len(lookup) != len(named):
+        raise PlanError("tensor names must be unique")
+    return lookup

@@ -1,0 +1,214 @@
+"""torch.distributed backends (``gloo`` on CPUs, ``nccl`` on GPUs) over standalone groups.
+
+Each transfer builds its own process group from a TCPStore the trainer hosts,
+never the global default group, so several ranks can live in one process and a
+group can be torn down and rebuilt. Buckets move with one broadcast each from
+rank 0. For nccl, the trainer stages each bucket on its GPU and workers receive
+into a GPU buffer, then copy to the caller's CPU buffer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from rlbus.schemas import TransferInit
+from rlbus.transfer.base import Handle, TransferError, timeout_error
+from rlbus.transfer.rendezvous import connect_store, host_store
+
+TorchBackend = Literal["gloo", "nccl"]
+
+
+class _NotOpen:
+    """The group before open/join and after close: every data call is refused."""
+
+    def __getattr__(self, name: str):
+        raise TransferError("transfer group is not open")
+
+
+class _WorkHandle:
+    """A broadcast in flight; ``wait`` bounds it by the group timeout."""
+
+    def __init__(self, work: dist.Work, init: TransferInit, what: str,
+                 keep: object = None, after: Callable[[], None] | None = None) -> None:
+        self._work, self._init, self._what, self._keep, self._after = work, init, what, keep, after
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            self._work.wait(timedelta(seconds=self._init.timeout_s))
+            if self._after is not None:
+                self._after()
+        except Exception as e:  # noqa: BLE001 - gloo/nccl raise RuntimeError/DistError
+            raise timeout_error(self._init, self._what, e) from e
+        finally:
+            self._keep = None
+        self._done = True
+
+
+def _is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+class _Group:
+    """A standalone process group plus the store it was formed on."""
+
+    def __init__(self, backend: TorchBackend = "gloo", device: torch.device | None = None) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown torch.distributed backend {backend!r}")
+        self.backend = backend
+        self._device = device
+        self._pg: dist.ProcessGroup | _NotOpen = _NotOpen()
+        self._store: dist.Store | None = None
+        self._raw: dist.TCPStore | None = None
+        self._init: TransferInit | None = None
+        self._sent = 0
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "gloo":
+            return torch.device("cpu")
+        if self._device is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        return self._device
+
+    def _form(self, init: TransferInit, store: dist.Store, rank: int) -> None:
+        timeout = timedelta(seconds=init.timeout_s)
+        try:
+            if self.backend == "gloo":
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                dev = (dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+                       if _is_loopback(init.master_addr) else dist.ProcessGroupGloo.create_default_device())
+                opts._devices = [dev]
+                # Constructing the gloo group connects the full mesh: it returns only
+                # once every rank is in, or raises after the store timeout.
+                pg = dist.ProcessGroupGloo(store, rank, init.world_size, opts)
+            else:
+                if not torch.cuda.is_available():
+                    raise TransferError("nccl backend needs CUDA")
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                opts.is_high_priority_stream = False
+                pg = dist.ProcessGroupNCCL(store, rank, init.world_size, opts)
+                # NCCL forms its communicator lazily; one tiny broadcast forms it now.
+                probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                _WorkHandle(pg.broadcast([probe], _root0()), init, "forming the nccl group").wait()
+        except TransferError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise timeout_error(init, f"rank {rank} joining ({self.backend})", e) from e
+        self._pg = pg
+        self._init = init
+
+    def _broadcast(self, tensor: torch.Tensor, what: str, keep: object = None,
+                   after: Callable[[], None] | None = None) -> Handle:
+        assert self._init is not None
+        try:
+            work = self._pg.broadcast([tensor], _root0())
+        except TransferError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise timeout_error(self._init, what, e) from e
+        return _WorkHandle(work, self._init, what, keep=keep, after=after)
+
+    def _next(self) -> int:
+        self._sent += 1
+        return self._sent - 1
+
+    def close(self) -> None:
+        """Drop the group and the store. An nccl group is aborted so no kernel lingers."""
+        pg, self._pg = self._pg, _NotOpen()
+        if not isinstance(pg, _NotOpen) and self.backend == "nccl":
+            for stop in ("abort", "shutdown"):
+                fn = getattr(pg, stop, None)
+                if fn is not None:
+                    try:
+                        fn()
+                        break
+                    except Exception:  # noqa: BLE001 - best effort teardown
+                        continue
+        del pg
+        self._store = self._raw = None
+        self._init = None
+
+
+def _root0() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return opts
+
+
+def _check_buf(buf: torch.Tensor) -> None:
+    if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
+        raise TransferError("buckets travel as contiguous CPU uint8 tensors")
+
+
+class TorchDistTrainer(_Group):
+    """Rank 0 of a gloo/nccl weight-transfer group."""
+
+    def bind(self, init: TransferInit) -> TransferInit:
+        """Host the rendezvous store now (port 0 = a free one); return init with the port."""
+        if self._raw is not None:
+            raise TransferError("already bound; close() before binding again")
+        self._store, self._raw, bound = host_store(init)
+        self._init = bound
+        return bound
+
+    def open(self, init: TransferInit) -> TransferInit:
+        """Bind if needed, then block until every rank joined (TransferTimeout otherwise)."""
+        if self._raw is None:
+            self.bind(init)
+        assert self._store is not None and self._init is not None
+        bound = self._init
+        try:
+            self._form(bound, self._store, 0)
+        except TransferError:
+            self.close()
+            raise
+        return bound
+
+    def send(self, buf: torch.Tensor) -> Handle:
+        """Broadcast ``buf`` from rank 0; the handle completes when it left this rank."""
+        _check_buf(buf)
+        if self.backend == "gloo":
+            return self._broadcast(buf, f"sending bucket {self._next()}")
+        staging = buf.to(self.device, non_blocking=False)
+        return self._broadcast(staging, f"sending bucket {self._next()}", keep=staging)
+
+
+class TorchDistWorker(_Group):
+    """A receiving rank of a gloo/nccl weight-transfer group."""
+
+    def join(self, init: TransferInit, rank: int) -> None:
+        """Connect to the trainer's store and block until the group is formed."""
+        if not 1 <= rank < init.world_size:
+            raise TransferError(f"rank {rank} outside 1..{init.world_size - 1}")
+        self._store, self._raw = connect_store(init)
+        try:
+            self._form(init, self._store, rank)
+        except TransferError:
+            self.close()
+            raise
+
+    def recv(self, buf: torch.Tensor) -> Handle:
+        """Receive the next broadcast into ``buf`` (exactly the bucket's size)."""
+        _check_buf(buf)
+        what = f"receiving bucket {self._next()}"
+        if self.backend == "gloo":
+            return self._broadcast(buf, what)
+        staging = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+        return self._broadcast(staging, what, keep=staging, after=lambda: buf.copy_(staging))

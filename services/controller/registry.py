@@ -1,0 +1,96 @@
+"""The worker registry: who is in the fleet, what each can do, when we last heard from it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rlbus.schemas import Capabilities, WorkerInfo, WorkerState
+
+
+@dataclass
+class Entry:
+    capabilities: Capabilities
+    state: WorkerState
+    last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def worker_id(self) -> str:
+        return self.state.worker_id
+
+
+class Registry:
+    """Workers known from their ready handshake, kept alive by heartbeats and replies."""
+
+    def __init__(self, liveness_timeout_s: float = 3.0) -> None:
+        self.liveness_timeout_s = liveness_timeout_s
+        self._entries: dict[str, Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._entries
+
+    def join(self, capabilities: Capabilities, state: WorkerState) -> bool:
+        """Add or refresh a worker from its handshake; True when it is new."""
+        new = state.worker_id not in self._entries
+        self._entries[state.worker_id] = Entry(capabilities, state)
+        return new
+
+    def seen(self, state: WorkerState) -> bool:
+        """Record a heartbeat or a reply; False when the worker is unknown (it must re-announce)."""
+        entry = self._entries.get(state.worker_id)
+        if entry is None:
+            return False
+        entry.state = state
+        entry.last_seen = time.monotonic()
+        return True
+
+    def leave(self, worker_id: str) -> bool:
+        return self._entries.pop(worker_id, None) is not None
+
+    def expired(self, now: float | None = None) -> list[str]:
+        """Workers silent for longer than the liveness timeout."""
+        now = time.monotonic() if now is None else now
+        return [w for w, e in self._entries.items() if now - e.last_seen > self.liveness_timeout_s]
+
+    def ids(self) -> list[str]:
+        """Worker ids in the fleet's stable order (sorted): index = transfer rank - rank_offset."""
+        return sorted(self._entries)
+
+    def get(self, worker_id: str) -> Entry | None:
+        return self._entries.get(worker_id)
+
+    def infos(self, committed_version: str | None = None) -> list[WorkerInfo]:
+        now = time.monotonic()
+        return [
+            WorkerInfo(
+                worker_id=w,
+                capabilities=self._entries[w].capabilities,
+                state=self._entries[w].state,
+                rank=i,
+                last_seen_s=round(now - self._entries[w].last_seen, 3),
+                stale=committed_version is not None and self._entries[w].state.weight_version != committed_version,
+            )
+            for i, w in enumerate(self.ids())
+        ]
+
+    def aggregate(self) -> Capabilities:
+        """Capabilities AND-aggregated; a shared value counts only if every worker has it."""
+        caps = [e.capabilities for e in self._entries.values()]
+        if not caps:
+            return Capabilities()
+
+        def same(values: list):  # noqa: ANN202
+            return values[0] if all(v == values[0] for v in values) else None
+
+        return Capabilities(
+            sleep_mode_enabled=all(c.sleep_mode_enabled for c in caps),
+            weight_transfer_backend=same([c.weight_transfer_backend for c in caps]),
+            has_draft_model=all(c.has_draft_model for c in caps),
+            supports_draft_weight_updates=all(c.supports_draft_weight_updates for c in caps),
+            model_name=same([c.model_name for c in caps]) or "",
+            num_params=same([c.num_params for c in caps]) or 0,
+            update_mode="staged" if all(c.update_mode == "staged" for c in caps) else "in_place",
+        )

@@ -1,0 +1,147 @@
+"""The weight-update session as a pure state machine: `step(state, event) -> Step`.
+
+No I/O here; service.py performs what a step asks for and feeds back what happened.
+
+    Idle --Start--> Open --Update*--> Open --Finish--> Committing --Committed--> Idle
+                     |                                   |
+                     +--Abort / WorkerLost / Sleep--> Idle <--Failed--+
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from rlbus.schemas import ErrorCode, UpdateTarget
+
+
+class Idle(msgspec.Struct, frozen=True, tag="idle"):
+    pass
+
+
+class Open(msgspec.Struct, frozen=True, tag="open"):
+    session_id: str
+    target: UpdateTarget
+    epoch: int
+    updates: int = 0
+
+
+class Committing(msgspec.Struct, frozen=True, tag="committing"):
+    session_id: str
+    target: UpdateTarget
+    epoch: int
+    version: str | None
+
+
+SessionState = Union[Idle, Open, Committing]
+
+
+# ---- events ------------------------------------------------------------------------------
+
+
+class Start(msgspec.Struct, frozen=True):
+    session_id: str
+    target: UpdateTarget
+    epoch: int
+
+
+class Update(msgspec.Struct, frozen=True):
+    session_id: str | None = None
+    """None = the open session."""
+
+
+class Finish(msgspec.Struct, frozen=True):
+    version: str | None
+    session_id: str | None = None
+
+
+class Committed(msgspec.Struct, frozen=True):
+    pass
+
+
+class Failed(msgspec.Struct, frozen=True):
+    reason: str
+
+
+class Abort(msgspec.Struct, frozen=True):
+    session_id: str | None = None
+
+
+class WorkerLost(msgspec.Struct, frozen=True):
+    worker_id: str
+
+
+class SleepWeights(msgspec.Struct, frozen=True):
+    """Weights are going to sleep: an open session cannot survive that."""
+
+
+class SetVersion(msgspec.Struct, frozen=True):
+    """update_weight_version without a transfer."""
+
+
+Event = Union[Start, Update, Finish, Committed, Failed, Abort, WorkerLost, SleepWeights, SetVersion]
+
+
+class Refusal(msgspec.Struct, frozen=True):
+    code: ErrorCode
+    message: str
+
+
+class Step(msgspec.Struct, frozen=True):
+    state: SessionState
+    refusal: Refusal | None = None
+    abort_workers: bool = False
+    """True when the step closed an open session: tell every worker to drop staged data."""
+
+
+def _refuse(state: SessionState, code: ErrorCode, message: str) -> Step:
+    return Step(state=state, refusal=Refusal(code=code, message=message))
+
+
+def _mismatch(state: Open | Committing, session_id: str | None) -> bool:
+    return session_id is not None and session_id != state.session_id
+
+
+def step(state: SessionState, event: Event) -> Step:
+    """The next session state for `event`, or a refusal that leaves `state` unchanged."""
+    match state, event:
+        case Idle(), Start(session_id=sid, target=target, epoch=epoch):
+            return Step(state=Open(session_id=sid, target=target, epoch=epoch))
+        case Idle(), Update():
+            return _refuse(state, "FAILED_PRECONDITION", "no weight update session is open; call start_weight_update() first")
+        case Idle(), Finish():
+            return _refuse(state, "FAILED_PRECONDITION", "finish_weight_update() without a session; call start_weight_update() first")
+        case Idle(), (Abort() | WorkerLost() | SleepWeights() | Committed() | Failed() | SetVersion()):
+            return Step(state=state)
+        case Open(), Start():
+            return _refuse(
+                state,
+                "FAILED_PRECONDITION",
+                f"session {state.session_id} ({state.target}) is already open; finish or abort it first",
+            )
+        case Open(), Update(session_id=sid):
+            if _mismatch(state, sid):
+                return _refuse(state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}")
+            return Step(state=Open(state.session_id, state.target, state.epoch, state.updates + 1))
+        case Open(), Finish(version=version, session_id=sid):
+            if _mismatch(state, sid):
+                return _refuse(state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}")
+            return Step(state=Committing(state.session_id, state.target, state.epoch, version))
+        case Open(), Abort(session_id=sid):
+            if _mismatch(state, sid):
+                return _refuse(state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}")
+            return Step(state=Idle(), abort_workers=True)
+        case Open(), (WorkerLost() | SleepWeights() | Failed()):
+            return Step(state=Idle(), abort_workers=True)
+        case Open(), SetVersion():
+            return _refuse(state, "FAILED_PRECONDITION", f"session {state.session_id} is open; finish or abort it before setting the version")
+        case Open(), Committed():
+            return _refuse(state, "INTERNAL", "commit reported for a session that is not finishing")
+        case Committing(), Committed():
+            return Step(state=Idle())
+        case Committing(), (Failed() | WorkerLost()):
+            return Step(state=Idle(), abort_workers=True)
+        case Committing(), _:
+            return _refuse(state, "FAILED_PRECONDITION", f"session {state.session_id} is being finished; wait for it")
+    raise AssertionError(f"unhandled {state!r} + {event!r}")  # pragma: no cover

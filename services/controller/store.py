@@ -1,0 +1,79 @@
+"""Durable controller state in a JetStream KV bucket: epoch, committed versions, open session.
+
+Keys: `epoch` (fencing counter, advanced with revision checks), `version` (a VersionInfo),
+`session` (the open session id, or empty).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from rlbus.schemas import DEFAULT_VERSION, VersionInfo
+
+_version_decoder = msgspec.json.Decoder(VersionInfo)
+
+
+class StateStore:
+    """The controller's durable state. Every write is a JetStream KV put (file storage)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    @classmethod
+    async def open(cls, nc: Client, bucket: str) -> "StateStore":
+        js = nc.jetstream()
+        try:
+            kv = await js.key_value(bucket)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(
+                KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE, description="rlbus controller state")
+            )
+        return cls(kv)
+
+    async def _get(self, key: str) -> tuple[bytes | None, int]:
+        try:
+            e = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None, 0
+        return e.value, e.revision or 0
+
+    async def take_epoch(self) -> int:
+        """Advance the epoch by one with a revision check; two controllers never share one."""
+        while True:
+            raw, rev = await self._get("epoch")
+            new = (int(raw) if raw else 0) + 1
+            try:
+                if rev:
+                    await self.kv.update("epoch", str(new).encode(), last=rev)
+                else:
+                    await self.kv.create("epoch", str(new).encode())
+                return new
+            except (KeyWrongLastSequenceError, Exception) as e:  # lost the race: read again
+                if not _is_wrong_sequence(e):
+                    raise
+
+    async def epoch(self) -> int:
+        raw, _ = await self._get("epoch")
+        return int(raw) if raw else 0
+
+    async def version(self) -> VersionInfo:
+        raw, _ = await self._get("version")
+        return _version_decoder.decode(raw) if raw else VersionInfo(version=DEFAULT_VERSION)
+
+    async def put_version(self, info: VersionInfo) -> None:
+        await self.kv.put("version", msgspec.json.encode(info))
+
+    async def session(self) -> str | None:
+        raw, _ = await self._get("session")
+        return raw.decode() if raw else None
+
+    async def put_session(self, session_id: str | None) -> None:
+        await self.kv.put("session", (session_id or "").encode())
+
+
+def _is_wrong_sequence(e: Exception) -> bool:
+    return isinstance(e, KeyWrongLastSequenceError) or "wrong last sequence" in str(e).lower()

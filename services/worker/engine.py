@@ -1,0 +1,82 @@
+"""The Engine protocol: what a worker needs from whatever hosts the model.
+
+The reference torch engine implements it (reference_engine.py); a vLLM adapter would map
+each method onto vLLM's pause/sleep/weight-transfer calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import msgspec
+import torch
+
+from rlbus.schemas import GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas.generate import FinishReason
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    paused: bool
+    pause_mode: PauseMode | None
+    sleeping_tags: list[SleepTag]
+    sleep_level: int
+    weights_loaded: bool
+    in_flight: int
+    waiting: int
+    param_bytes: int
+    kv_cache_bytes: int
+
+
+class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
+    tokens: list[int]
+    finish_reason: FinishReason
+    weight_version: str
+    draft_version: str | None = None
+    logprobs: list[float] | None = None
+    proposed: int = 0
+    accepted: int = 0
+
+
+class ParamSpec(msgspec.Struct, frozen=True):
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class Engine(Protocol):
+    """Everything here is called from the worker's event loop; long work must not block it.
+
+    Refusals raise rlbus.errors subclasses (FailedPrecondition, InvalidArgument).
+    """
+
+    model_name: str
+    sleep_mode_enabled: bool
+    has_draft_model: bool
+    supports_draft_weight_updates: bool
+    weight_version: str
+    draft_version: str | None
+    dirty: bool
+
+    @property
+    def num_params(self) -> int: ...
+
+    def status(self) -> EngineStatus: ...
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Returns once the pause is in effect (wait: in-flight requests finished)."""
+
+    async def resume(self) -> None: ...
+
+    async def sleep(self, level: int, tags: list[SleepTag]) -> None: ...
+
+    async def wake_up(self, tags: list[SleepTag]) -> None: ...
+
+    def param_specs(self, target: UpdateTarget) -> Mapping[str, ParamSpec]: ...
+
+    def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
+        """Live parameter tensors (receive in place into these)."""
+
+    async def load_weights(self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy tensors into the model between forward steps."""

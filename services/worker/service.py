@@ -1,0 +1,276 @@
+"""The worker service: the engine behind NATS endpoints.
+
+Endpoints: rl.worker.<id>.<op> (commands from the controller) and rl.generate (queue group).
+It announces itself on rl.worker.ready, re-announces on rl.controller.hello, beats on
+rl.worker.heartbeat and says goodbye on rl.worker.gone when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+import msgspec
+from nats.aio.client import Client
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import Service
+
+from rlbus.errors import FailedPrecondition, InvalidArgument, RLBusError
+from rlbus.schemas import (
+    SLEEP_TAGS,
+    UNDECODABLE_STATUS,
+    AnyCommand,
+    Backend,
+    Capabilities,
+    ControllerHello,
+    GenerateReply,
+    GetStatus,
+    Heartbeat,
+    Pause,
+    Resume,
+    Sleep,
+    Subjects,
+    UpdateMode,
+    WakeUp,
+    WorkerAck,
+    WorkerGone,
+    WorkerReady,
+    WorkerState,
+    check_token,
+    encode,
+    event_decoder,
+    generate_request_decoder,
+)
+from rlbus.schemas.codec import DecodeError
+from rlbus.services.handlers import Endpoints
+
+from .engine import Engine
+
+log = logging.getLogger("rlbus.worker")
+
+SERVICE_VERSION = "0.1.0"
+
+
+class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    subjects: Subjects = Subjects()
+    weight_transfer_backend: Backend | None = None
+    update_mode: UpdateMode = "staged"
+    heartbeat_s: float = 1.0
+    drain_timeout_s: float = 10.0
+    """On stop, how long in-flight requests get to finish before they are aborted."""
+
+
+class WorkerService:
+    """Serves one engine. Run with `await service.run(task_status)` inside a task group."""
+
+    def __init__(self, nc: Client, engine: Engine, options: WorkerOptions) -> None:
+        check_token(options.worker_id, "worker id")
+        self.nc = nc
+        self.engine = engine
+        self.opts = options
+        self.subjects = options.subjects
+        self.id = options.worker_id
+        self.epoch = 0
+        """Highest controller epoch seen; commands from older epochs are refused (fencing)."""
+        self._micro: Service | None = None
+        self._stop = anyio.Event()
+        self._endpoints: Endpoints | None = None
+        self._generate_in_flight = 0
+
+    # ---- identity ----------------------------------------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        e = self.engine
+        return Capabilities(
+            sleep_mode_enabled=e.sleep_mode_enabled,
+            weight_transfer_backend=self.opts.weight_transfer_backend,
+            has_draft_model=e.has_draft_model,
+            supports_draft_weight_updates=e.supports_draft_weight_updates,
+            model_name=e.model_name,
+            num_params=e.num_params,
+            update_mode=self.opts.update_mode,
+        )
+
+    def state(self) -> WorkerState:
+        s = self.engine.status()
+        return WorkerState(
+            worker_id=self.id,
+            paused=s.paused,
+            pause_mode=s.pause_mode,
+            sleeping_tags=s.sleeping_tags,
+            sleep_level=s.sleep_level,
+            weights_loaded=s.weights_loaded,
+            in_flight=s.in_flight,
+            waiting=s.waiting,
+            weight_version=self.engine.weight_version,
+            draft_version=self.engine.draft_version,
+            param_bytes=s.param_bytes,
+            kv_cache_bytes=s.kv_cache_bytes,
+            dirty=self.engine.dirty,
+        )
+
+    def ack(self) -> WorkerAck:
+        return WorkerAck(state=self.state())
+
+    async def announce(self) -> None:
+        await self.nc.publish(
+            self.subjects.worker_ready,
+            encode(WorkerReady(worker_id=self.id, capabilities=self.capabilities(), state=self.state())),
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
+        """Serve until stop(); then drain: in-flight requests finish and reply."""
+        async with anyio.create_task_group() as tg:
+            self._endpoints = eps = Endpoints(tg, f"worker {self.id}")
+            self._micro = await add_service(
+                self.nc,
+                name="rlbus-worker",
+                version=SERVICE_VERSION,
+                description="rlbus inference worker",
+                metadata={"worker_id": self.id, "model": self.engine.model_name},
+            )
+            group = self._micro.add_group(name=f"{self.subjects.prefix}.worker.{self.id}")
+            for op, handler in self._handlers().items():
+                await group.add_endpoint(name=op, subject=op, handler=eps.command(op, self._fenced(handler)))
+            await self._micro.add_endpoint(
+                name="generate",
+                subject=self.subjects.generate,
+                queue_group=f"{self.subjects.prefix}-generate",
+                handler=self._on_generate,
+            )
+            hello = await self.nc.subscribe(self.subjects.controller_hello, cb=self._on_hello)
+            await self.nc.flush()
+            await self.announce()
+            tg.start_soon(self._heartbeat)
+            task_status.started()
+            await self._stop.wait()
+            # drain: stop taking work, let in-flight work answer, then leave
+            await hello.unsubscribe()
+            with anyio.CancelScope(shield=True):
+                await self._micro.stop()
+                with anyio.move_on_after(self.opts.drain_timeout_s):
+                    await eps.wait_idle()
+                if eps.in_flight:
+                    await self.engine.pause("abort")  # frozen/long requests end with status abort
+                    with anyio.move_on_after(2):
+                        await eps.wait_idle()
+                    await self.engine.resume()
+                try:
+                    await self.nc.publish(self.subjects.worker_gone, encode(WorkerGone(worker_id=self.id, reason="stopped")))
+                    await self.nc.flush(timeout=2)
+                except Exception as e:
+                    log.warning("worker %s: could not say goodbye: %s", self.id, e)
+            tg.cancel_scope.cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await anyio.sleep(self.opts.heartbeat_s)
+            if self.nc.is_connected:
+                try:
+                    await self.nc.publish(
+                        self.subjects.worker_heartbeat, encode(Heartbeat(worker_id=self.id, state=self.state()))
+                    )
+                except Exception as e:  # reconnecting; the next beat retries
+                    log.debug("heartbeat failed: %s", e)
+
+    async def _on_hello(self, msg) -> None:  # noqa: ANN001
+        try:
+            hello = event_decoder.decode(msg.data)
+        except DecodeError:
+            return
+        if isinstance(hello, ControllerHello):
+            self.epoch = max(self.epoch, hello.epoch)
+            await self.announce()
+
+    # ---- commands ----------------------------------------------------------------------
+
+    def _handlers(self) -> dict[str, Callable[[AnyCommand], Awaitable[object]]]:
+        return {
+            "pause": self._pause,
+            "resume": self._resume,
+            "sleep": self._sleep,
+            "wake_up": self._wake_up,
+            "status": self._status,
+        }
+
+    def _fenced(self, handler: Callable[[AnyCommand], Awaitable[object]]) -> Callable[[AnyCommand], Awaitable[object]]:
+        async def run(cmd: AnyCommand) -> object:
+            if cmd.epoch < self.epoch:
+                raise FailedPrecondition(
+                    f"command from controller epoch {cmd.epoch} refused: epoch {self.epoch} has taken over"
+                )
+            self.epoch = cmd.epoch
+            return await handler(cmd)
+
+        return run
+
+    async def _pause(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, Pause)
+        await self.engine.pause(cmd.mode)
+        return self.ack()
+
+    async def _resume(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, Resume)
+        await self.engine.resume()
+        return self.ack()
+
+    async def _sleep(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, Sleep)
+        await self.engine.sleep(cmd.level, _tags(cmd.tags))
+        return self.ack()
+
+    async def _wake_up(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, WakeUp)
+        await self.engine.wake_up(_tags(cmd.tags))
+        return self.ack()
+
+    async def _status(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, GetStatus)
+        return self.ack()
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def _on_generate(self, req: Request) -> None:
+        try:
+            gen = generate_request_decoder.decode(req.data)
+        except DecodeError as e:
+            await req.respond_error(UNDECODABLE_STATUS, f"undecodable generate payload: {e}")
+            return
+        assert self._endpoints is not None
+
+        async def work() -> bytes:
+            try:
+                r = await self.engine.generate(gen)
+            except RLBusError as e:
+                return encode(e.to_nack())
+            return encode(
+                GenerateReply(
+                    worker_id=self.id,
+                    tokens=r.tokens,
+                    finish_reason=r.finish_reason,
+                    weight_version=r.weight_version,
+                    draft_version=r.draft_version,
+                    logprobs=r.logprobs,
+                    proposed=r.proposed,
+                    accepted=r.accepted,
+                )
+            )
+
+        self._endpoints.spawn(req, work)
+
+
+def _tags(tags: list | None) -> list:
+    if tags is None:
+        return list(SLEEP_TAGS)
+    if not tags:
+        raise InvalidArgument(f"tags must be None (all) or a non-empty subset of {list(SLEEP_TAGS)}")
+    return list(dict.fromkeys(tags))
