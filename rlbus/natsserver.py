@@ -84,7 +84,7 @@ class NatsServer:
         if self.config_file:
             args += ["-c", str(self.config_file)]
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
         ready = threading.Event()
         reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)

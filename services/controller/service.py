@@ -107,9 +107,10 @@ class ControllerService:
             task_status.started()
             await self._stop.wait()
             with anyio.CancelScope(shield=True):
-                for sub in subs:
-                    await sub.unsubscribe()
-                await self._micro.stop()
+                with anyio.move_on_after(2):  # unsubscribing needs a live connection
+                    for sub in subs:
+                        await sub.unsubscribe()
+                    await self._micro.stop()
                 with anyio.move_on_after(self.opts.drain_timeout_s):
                     await eps.wait_idle()
             tg.cancel_scope.cancel()

@@ -151,9 +151,10 @@ class WorkerService:
             task_status.started()
             await self._stop.wait()
             # drain: stop taking work, let in-flight work answer, then leave
-            await hello.unsubscribe()
             with anyio.CancelScope(shield=True):
-                await self._micro.stop()
+                with anyio.move_on_after(2):  # unsubscribing needs a live connection
+                    await hello.unsubscribe()
+                    await self._micro.stop()
                 with anyio.move_on_after(self.opts.drain_timeout_s):
                     await eps.wait_idle()
                 if eps.in_flight:
@@ -161,11 +162,12 @@ class WorkerService:
                     with anyio.move_on_after(2):
                         await eps.wait_idle()
                     await self.engine.resume()
-                try:
-                    await self.nc.publish(self.subjects.worker_gone, encode(WorkerGone(worker_id=self.id, reason="stopped")))
-                    await self.nc.flush(timeout=2)
-                except Exception as e:
-                    log.warning("worker %s: could not say goodbye: %s", self.id, e)
+                with anyio.move_on_after(2):
+                    try:
+                        await self.nc.publish(self.subjects.worker_gone, encode(WorkerGone(worker_id=self.id, reason="stopped")))
+                        await self.nc.flush(timeout=2)
+                    except Exception as e:
+                        log.warning("worker %s: could not say goodbye: %s", self.id, e)
             tg.cancel_scope.cancel()
 
     def stop(self) -> None:

@@ -1,0 +1,3 @@
+from rlbus.cli import main
+
+main()

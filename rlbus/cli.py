@@ -1,0 +1,243 @@
+"""The `rlbus` command line."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import click
+
+from rlbus.connection import DEFAULT_URL, URL_ENV
+from rlbus.errors import RLBusError
+
+url_option = click.option(
+    "--nats-url", envvar=URL_ENV, default=None, help=f"NATS server URL (env {URL_ENV})."
+)
+
+
+def _url(url: str | None) -> str:
+    return url or DEFAULT_URL
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@click.group()
+@click.version_option(package_name="rlbus")
+def main() -> None:
+    """rlbus: keep an LLM inference fleet in step with an RL trainer, over NATS."""
+
+
+# ---- services ----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--workers", "-n", default=2, show_default=True, help="Worker processes to start.")
+@url_option
+@click.option("--weight-transfer-backend", type=click.Choice(["gloo", "nccl", "shm", "none"]), default="gloo", show_default=True)
+@click.option("--update-mode", type=click.Choice(["staged", "in_place"]), default="staged", show_default=True)
+@click.option("-v", "--verbose", is_flag=True)
+def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_mode: str, verbose: bool) -> None:
+    """Start NATS (embedded unless --nats-url), a controller and N workers; stay in the foreground.
+
+    Prints NATS_URL=... once every worker is registered. Ctrl-C / SIGTERM stops everything.
+    """
+    from rlbus.launcher import Fleet, embedded_or
+
+    _logging(verbose)
+    url, server = embedded_or(nats_url)
+    fleet = Fleet(url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode])
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        fleet.start()
+
+        async def ready() -> None:
+            rl = await fleet.wait_ready()
+            await rl.close()
+
+        anyio.run(ready)
+        print(f"NATS_URL={url}", flush=True)
+        click.echo(f"rlbus up: controller + {workers} workers on {url}. Ctrl-C to stop.", err=True)
+        while not stop.wait(0.5):
+            fleet.check_alive()
+    finally:
+        fleet.stop()
+        if server is not None:
+            server.stop()
+        click.echo("rlbus up: stopped", err=True)
+
+
+@main.command()
+@url_option
+@click.option("--prefix", default="rl", show_default=True, help="Subject prefix.")
+@click.option("--command-timeout", default=30.0, show_default=True, help="Deadline of one fan-out, seconds.")
+@click.option("--liveness-timeout", default=3.0, show_default=True, help="Drop a worker silent this long, seconds.")
+@click.option("-v", "--verbose", is_flag=True)
+def controller(nats_url: str | None, prefix: str, command_timeout: float, liveness_timeout: float, verbose: bool) -> None:
+    """Run the controller service."""
+    from rlbus.schemas import Subjects
+    from rlbus.serve import serve
+    from rlbus.services.controller.service import ControllerOptions, ControllerService
+
+    _logging(verbose)
+    opts = ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=command_timeout, liveness_timeout_s=liveness_timeout)
+    anyio.run(serve, _url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts))
+
+
+@main.command()
+@url_option
+@click.option("--id", "worker_id", default=None, help="Worker id (default: host-pid).")
+@click.option("--prefix", default="rl", show_default=True)
+@click.option("--weight-transfer-backend", type=click.Choice(["gloo", "nccl", "shm", "none"]), default="none", show_default=True)
+@click.option("--update-mode", type=click.Choice(["staged", "in_place"]), default="staged", show_default=True)
+@click.option("--enable-sleep-mode/--no-sleep-mode", default=True, show_default=True)
+@click.option("--vocab-size", default=64, show_default=True)
+@click.option("--d-model", default=64, show_default=True)
+@click.option("--n-layers", default=2, show_default=True)
+@click.option("--n-heads", default=4, show_default=True)
+@click.option("--max-seq-len", default=128, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Init seed (same seed = same initial weights).")
+@click.option("--max-concurrency", default=8, show_default=True, help="KV-cache slots (requests at once).")
+@click.option("--heartbeat", default=1.0, show_default=True, help="Heartbeat interval, seconds.")
+@click.option("-v", "--verbose", is_flag=True)
+def worker(
+    nats_url: str | None, worker_id: str | None, prefix: str, weight_transfer_backend: str, update_mode: str,
+    enable_sleep_mode: bool, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_len: int,
+    seed: int, max_concurrency: int, heartbeat: float, verbose: bool,
+) -> None:
+    """Run a worker service hosting the reference engine."""
+    import os
+    import socket
+
+    import torch
+
+    from rlbus.schemas import Subjects
+    from rlbus.serve import serve
+    from rlbus.services.worker.model import ModelConfig
+    from rlbus.services.worker.reference_engine import ReferenceEngine
+    from rlbus.services.worker.service import WorkerOptions, WorkerService
+
+    _logging(verbose)
+    torch.set_num_threads(1)
+    wid = worker_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=max_seq_len, seed=seed)
+    opts = WorkerOptions(
+        worker_id=wid,
+        subjects=Subjects(prefix=prefix),
+        weight_transfer_backend=None if weight_transfer_backend == "none" else weight_transfer_backend,  # type: ignore[arg-type]
+        update_mode=update_mode,  # type: ignore[arg-type]
+        heartbeat_s=heartbeat,
+    )
+
+    def make(nc):  # noqa: ANN001, ANN202
+        engine = ReferenceEngine(cfg, max_concurrency=max_concurrency, sleep_mode_enabled=enable_sleep_mode)
+        return WorkerService(nc, engine, opts)
+
+    anyio.run(serve, _url(nats_url), f"rlbus-worker-{wid}", make)
+
+
+# ---- trainer-side commands ----------------------------------------------------------------
+
+
+def _client_call(nats_url: str | None, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+    from rlbus.client import RLClient
+
+    async def run() -> Any:
+        async with await RLClient.connect(_url(nats_url), timeout=30.0) as rl:
+            return await fn(rl)
+
+    try:
+        return anyio.run(run)
+    except RLBusError as e:
+        raise click.ClickException(f"{e.code}: {e.message}") from None
+
+
+def _print_status(info: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    caps = info.capabilities
+    t = Table(title=f"rlbus fleet — version {info.weight_version}, epoch {info.epoch}")
+    for col in ("worker", "rank", "paused", "sleeping", "version", "in flight", "params MiB", "kv MiB", "seen s"):
+        t.add_column(col)
+    for w in info.workers:
+        s = w.state
+        t.add_row(
+            w.worker_id, str(w.rank), s.pause_mode or "no" if s.paused else "no",
+            ",".join(s.sleeping_tags) or "no", s.weight_version + (" (stale)" if w.stale else ""),
+            str(s.in_flight), f"{s.param_bytes / 2**20:.2f}", f"{s.kv_cache_bytes / 2**20:.2f}", f"{w.last_seen_s:.1f}",
+        )
+    c = Console(width=None if sys.stdout.isatty() else 140)
+    c.print(t)
+    c.print(
+        f"capabilities: sleep_mode={caps.sleep_mode_enabled} backend={caps.weight_transfer_backend or 'none'} "
+        f"draft={caps.has_draft_model} draft_updates={caps.supports_draft_weight_updates} "
+        f"model={caps.model_name or '?'} params={caps.num_params} update_mode={caps.update_mode}"
+    )
+    if info.session_id:
+        c.print(f"open update session: {info.session_id}")
+
+
+@main.command()
+@url_option
+def status(nats_url: str | None) -> None:
+    """Show workers, pause/sleep state, versions and capabilities."""
+    _print_status(_client_call(nats_url, lambda rl: rl.server_info()))
+
+
+def _show_ack(ack: Any) -> None:
+    for w in ack.workers:
+        click.echo(
+            f"{w.worker_id}: paused={w.paused}{'(' + w.pause_mode + ')' if w.pause_mode else ''} "
+            f"sleeping={','.join(w.sleeping_tags) or 'no'} version={w.weight_version}"
+        )
+
+
+@main.command()
+@url_option
+@click.option("--mode", type=click.Choice(["abort", "wait", "keep"]), default="abort", show_default=True)
+def pause(nats_url: str | None, mode: str) -> None:
+    """Pause generation on every worker."""
+    _show_ack(_client_call(nats_url, lambda rl: rl.pause(mode)))
+
+
+@main.command()
+@url_option
+def resume(nats_url: str | None) -> None:
+    """Resume generation on every worker."""
+    _show_ack(_client_call(nats_url, lambda rl: rl.resume()))
+
+
+@main.command()
+@url_option
+@click.option("--level", type=click.IntRange(1, 2), default=1, show_default=True)
+@click.option("--tags", default=None, help="Comma-separated: weights,kv_cache (default both).")
+def sleep(nats_url: str | None, level: int, tags: str | None) -> None:
+    """Put every worker to sleep (free weights and/or KV cache)."""
+    tag_list = tags.split(",") if tags else None
+    _show_ack(_client_call(nats_url, lambda rl: rl.sleep(level, tag_list)))
+
+
+@main.command()
+@url_option
+@click.option("--tags", default=None, help="Comma-separated: weights,kv_cache (default both).")
+def wake(nats_url: str | None, tags: str | None) -> None:
+    """Wake every worker (all parts, or the given tags)."""
+    tag_list = tags.split(",") if tags else None
+    _show_ack(_client_call(nats_url, lambda rl: rl.wake_up(tag_list)))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,92 @@
+"""`rlbus up`: the embedded nats-server plus controller and workers as child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from rlbus.client import RLClient
+from rlbus.errors import DeadlineExceeded
+from rlbus.natsserver import NatsServer
+
+
+class Fleet:
+    """Child processes of one fleet; stop() always reaps them (SIGTERM -> wait -> SIGKILL)."""
+
+    def __init__(self, url: str, workers: int, worker_args: Sequence[str] = (), controller_args: Sequence[str] = ()) -> None:
+        self.url = url
+        self.n_workers = workers
+        self.worker_args = list(worker_args)
+        self.controller_args = list(controller_args)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = dict(os.environ, RLBUS_NATS_URL=self.url, PYTHONUNBUFFERED="1")
+        # own session: a terminal's Ctrl-C reaches only `rlbus up`, which stops children in order
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "rlbus", *args], env=env, start_new_session=True)
+
+    def start(self) -> None:
+        self._spawn("controller", ["controller", "--nats-url", self.url, *self.controller_args])
+        for i in range(self.n_workers):
+            self._spawn(f"worker-{i}", ["worker", "--nats-url", self.url, "--id", f"worker-{i}", *self.worker_args])
+
+    async def wait_ready(self, timeout: float = 120.0) -> RLClient:
+        """Wait until every worker is registered with the controller; returns a connected client."""
+        rl = await RLClient.connect(self.url, timeout=5.0)
+        joined = await rl.nc.subscribe(rl.subjects.event("worker_joined"))
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    self.check_alive()
+                    try:
+                        info = await rl.server_info()
+                        if len(info.workers) >= self.n_workers:
+                            return rl
+                    except DeadlineExceeded:
+                        pass
+                    except Exception:
+                        pass  # controller not up yet
+                    with anyio.move_on_after(1.0):  # a join event wakes us at once
+                        await joined.next_msg(timeout=None)  # type: ignore[arg-type]
+        except BaseException:
+            await rl.close()
+            raise
+        finally:
+            try:
+                await joined.unsubscribe()
+            except Exception:
+                pass
+
+    def check_alive(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        if dead:
+            raise RuntimeError(f"fleet processes exited: {dead}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        # workers first so they can still say goodbye to the controller
+        order = [n for n in self.procs if n != "controller"] + [n for n in self.procs if n == "controller"]
+        for n in order:
+            p = self.procs[n]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for n in order:
+            p = self.procs[n]
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+
+def embedded_or(url: str | None) -> tuple[str, NatsServer | None]:
+    """The given URL, or a freshly started embedded server's."""
+    if url:
+        return url, None
+    server = NatsServer().start()
+    return server.url, server

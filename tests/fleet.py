@@ -1,0 +1,42 @@
+"""Helpers to start an in-process fleet in a test module (not a test file)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rlbus.client import RLClient
+from rlbus.local import LocalFleet
+from rlbus.schemas import Subjects
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.model import ModelConfig
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
+
+SMALL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=128, seed=0)
+
+
+async def start_fleet(
+    url: str,
+    prefix: str,
+    worker_ids: Sequence[str] = ("w0", "w1"),
+    *,
+    sleep_mode: bool = True,
+    command_timeout_s: float = 10.0,
+    liveness_timeout_s: float = 1.5,
+    heartbeat_s: float = 0.25,
+    model: ModelConfig = SMALL,
+    **worker_kw: object,
+) -> tuple[LocalFleet, RLClient]:
+    subjects = Subjects(prefix=prefix)
+    fleet = LocalFleet(url)
+    await fleet.start_controller(
+        ControllerOptions(subjects=subjects, command_timeout_s=command_timeout_s, liveness_timeout_s=liveness_timeout_s)
+    )
+    for wid in worker_ids:
+        await fleet.start_worker(
+            ReferenceEngine(model, sleep_mode_enabled=sleep_mode),
+            WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=heartbeat_s, **worker_kw),  # type: ignore[arg-type]
+        )
+    await fleet.wait_for_workers(worker_ids)
+    rl = await RLClient.connect(url, prefix=prefix, timeout=30.0)
+    return fleet, rl

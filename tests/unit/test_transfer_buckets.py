@@ -1,0 +1,186 @@
+"""Bucket planning, packing and checksums (no groups, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlbus.schemas import BucketMeta, ParamMeta
+from rlbus.transfer import (
+    PlanError,
+    UnsupportedDType,
+    checksum,
+    dtype_name,
+    pack,
+    plan,
+    torch_dtype,
+    trainer_transfer,
+    unpack,
+    validate,
+    worker_transfer,
+)
+from rlbus.transfer.buckets import ALIGN, by_bucket
+from rlbus.transfer.stream import pack_all, prepare
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=dtype)
+
+
+def mixed_model() -> list[tuple[str, torch.Tensor]]:
+    named = [(f"p.{d}".replace("torch.", ""), _tensor(d, (3, 5), i)) for i, d in enumerate(DTYPES)]
+    named.append(("scalar", torch.tensor(3.5, dtype=torch.bfloat16)))
+    named.append(("flag", torch.tensor(True)))
+    named.append(("empty", torch.empty(0, 4)))
+    named.append(("transposed", torch.arange(24, dtype=torch.float32).reshape(4, 6).t()))
+    named.append(("strided", torch.arange(40, dtype=torch.int16)[::3]))
+    return named
+
+
+def round_trip(named, bucket_bytes):
+    metas, sizes = plan(named, bucket_bytes)
+    lookup = dict(named)
+    out = {}
+    for k, size in enumerate(sizes):
+        buf = torch.full((size,), 0xAB, dtype=torch.uint8)
+        pack(k, metas, lookup, buf)
+        for name, view in unpack(buf, [m for m in metas if m.bucket == k]):
+            out[name] = view.clone()
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 200, 1 << 20])
+def test_pack_unpack_round_trip_is_bit_identical_for_every_dtype(bucket_bytes):
+    named = mixed_model()
+    out = round_trip(named, bucket_bytes)
+    assert list(out) == [n for n, _ in named]
+    for name, t in named:
+        got = out[name]
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got, t), name
+
+
+def test_plan_keeps_input_order_and_aligns_every_offset():
+    metas, sizes = plan(mixed_model(), 256)
+    assert [m.name for m in metas] == [n for n, _ in mixed_model()]
+    assert all(m.offset % ALIGN == 0 for m in metas)
+    assert [m.bucket for m in metas] == sorted(m.bucket for m in metas)
+    assert len(sizes) == metas[-1].bucket + 1
+
+
+def test_bucket_plan_never_exceeds_bucket_size_except_for_one_big_tensor():
+    named = [("a", torch.zeros(10)), ("big", torch.zeros(1000)), ("b", torch.zeros(30)), ("c", torch.zeros(30))]
+    metas, sizes = plan(named, 200)
+    big = next(m for m in metas if m.name == "big")
+    assert sizes[big.bucket] == 4032  # 4000 bytes, aligned up to 64
+    assert [m.name for m in metas if m.bucket == big.bucket] == ["big"]
+    for k, size in enumerate(sizes):
+        if k != big.bucket:
+            assert size <= 200
+            assert all(m.offset + m.nbytes <= size for m in metas if m.bucket == k)
+
+
+def test_big_tensor_bucket_is_its_aligned_size():
+    _, sizes = plan([("x", torch.zeros(1001, dtype=torch.uint8))], 100)
+    assert sizes == [1024]
+
+
+def test_pad_bytes_are_zeroed_so_checksums_are_deterministic():
+    named = [("a", torch.ones(3, dtype=torch.uint8)), ("b", torch.ones(5, dtype=torch.uint8))]
+    metas, sizes = plan(named, 1 << 10)
+    dirty = torch.full((sizes[0],), 0xFF, dtype=torch.uint8)
+    clean = torch.zeros(sizes[0], dtype=torch.uint8)
+    pack(0, metas, dict(named), dirty)
+    pack(0, metas, dict(named), clean)
+    assert torch.equal(dirty, clean)
+    assert checksum(dirty) == checksum(clean)
+
+
+def test_checksum_changes_when_one_byte_changes():
+    buf = torch.arange(4096, dtype=torch.int64).view(torch.uint8).clone()
+    before = checksum(buf)
+    buf[12345] ^= 1
+    assert checksum(buf) != before
+    assert checksum(buf) == checksum(buf.clone())
+
+
+def test_checksum_refuses_non_byte_or_strided_buffers():
+    with pytest.raises(ValueError):
+        checksum(torch.zeros(4))
+    with pytest.raises(ValueError):
+        checksum(torch.zeros(8, dtype=torch.uint8)[::2])
+
+
+def test_dtype_names_round_trip_and_unknown_ones_are_refused():
+    for d in DTYPES:
+        assert torch_dtype(dtype_name(d)) == d
+    with pytest.raises(UnsupportedDType):
+        dtype_name(torch.complex64)
+    with pytest.raises(UnsupportedDType):
+        torch_dtype("float8")
+    with pytest.raises(UnsupportedDType):
+        plan([("c", torch.zeros(2, dtype=torch.complex64))], 1024)
+
+
+def test_plan_refuses_duplicate_names_and_pack_refuses_changed_tensors():
+    with pytest.raises(PlanError):
+        plan([("a", torch.zeros(1)), ("a", torch.zeros(1))], 64)
+    metas, sizes = plan([("a", torch.zeros(4))], 64)
+    with pytest.raises(PlanError):
+        pack(0, metas, {"a": torch.zeros(5)}, torch.empty(sizes[0], dtype=torch.uint8))
+
+
+def test_pack_all_matches_per_bucket_checksums():
+    named = mixed_model()
+    p = prepare(named, 128)
+    packed = pack_all(p, named)
+    assert [b.index for b in packed.buckets] == list(range(len(p.bucket_sizes)))
+    assert all(b.data_ptr() % ALIGN == packed.pool.data_ptr() % ALIGN for b in packed.buffers)
+    for meta, buf in zip(packed.buckets, packed.buffers):
+        assert meta.checksum == checksum(buf) and meta.nbytes == buf.numel()
+    again = pack_all(p, named, pool=packed.pool)
+    assert again.pool is packed.pool and again.buckets == packed.buckets
+
+
+def test_validate_accepts_a_real_plan_and_rejects_inconsistent_metadata():
+    named = mixed_model()
+    p = prepare(named, 256)
+    packed = pack_all(p, named)
+    validate(p.params, packed.buckets)
+    a = ParamMeta(name="a", dtype="float32", shape=[4], bucket=0, offset=0, nbytes=16)
+    b = BucketMeta(index=0, nbytes=64, checksum="x")
+    with pytest.raises(PlanError):  # overlap
+        validate([a, ParamMeta(name="b", dtype="float32", shape=[4], bucket=0, offset=8, nbytes=16)], [b])
+    with pytest.raises(PlanError):  # nbytes does not match shape
+        validate([ParamMeta(name="a", dtype="float32", shape=[5], bucket=0, offset=0, nbytes=16)], [b])
+    with pytest.raises(PlanError):  # outside its bucket
+        validate([ParamMeta(name="a", dtype="float32", shape=[4], bucket=0, offset=56, nbytes=16)], [b])
+    with pytest.raises(PlanError):  # bucket out of range
+        validate([ParamMeta(name="a", dtype="float32", shape=[4], bucket=1, offset=0, nbytes=16)], [b])
+    with pytest.raises(PlanError):  # buckets out of order
+        validate([], [BucketMeta(index=1, nbytes=1, checksum="x")])
+
+
+def test_by_bucket_groups_in_offset_order():
+    metas, sizes = plan(mixed_model(), 128)
+    groups = by_bucket(metas, len(sizes))
+    assert sum(map(len, groups)) == len(metas)
+    for k, g in enumerate(groups):
+        assert all(m.bucket == k for m in g)
+        assert [m.offset for m in g] == sorted(m.offset for m in g)
+
+
+def test_unknown_backend_name_is_refused():
+    with pytest.raises(ValueError):
+        trainer_transfer("carrier-pigeon")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        worker_transfer("carrier-pigeon")  # type: ignore[arg-type]
