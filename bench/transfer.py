@@ -1,0 +1,191 @@
+"""Data-plane benchmark: rlbus buckets against the raw limits of the same transports.
+
+    python bench/transfer.py [--size-mb 256] [--receivers 1,2] [--reps 3]
+
+For each receiver count R (receivers are separate processes) it measures
+  raw    one flat uint8 tensor of S bytes broadcast over gloo
+  rlbus  the stream (plan, pack once, checksum, send, verify, sink copy) of a
+         ~200-tensor mixed-size model of S bytes over gloo
+  naive  one broadcast per tensor of a ~1000-small-tensor model, against rlbus on it
+  shm    S bytes through the shm backend, against one in-process memcpy of S bytes
+and prints GB/s plus the ratios rlbus/raw, rlbus/naive, shm/memcpy (throughput;
+1.0 = as fast as the reference). Times run from the trainer's start to the last
+receiver's finish (same-host monotonic clock), best of --reps after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import msgspec
+import torch
+
+from rlbus.schemas import BucketMeta, ParamMeta, TransferInit
+from rlbus.transfer import (
+    alloc_buffers,
+    pack_all,
+    prepare,
+    recv_buckets,
+    trainer_transfer,
+    worker_transfer,
+)
+from rlbus.transfer.buckets import as_bytes, torch_dtype
+
+BUCKET = 64 << 20
+
+
+def mixed_model(total: int, count: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """``count`` tensors (fp32/bf16, sizes spread over two decades) of about ``total`` bytes."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(count, generator=g) ** 3 + 0.01
+    sizes = (weights / weights.sum() * total).long().clamp(min=64)
+    named = []
+    for i, nbytes in enumerate(sizes.tolist()):
+        dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
+        n = max(1, nbytes // dtype.itemsize)
+        named.append((f"t{i}", torch.empty(n, dtype=dtype).fill_(i % 7)))
+    return named
+
+
+# --- worker process -----------------------------------------------------------------
+
+def worker_main() -> None:
+    """Serve one command per stdin line; answer the finish time on stdout."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        init = msgspec.json.decode(cmd["init"].encode(), type=TransferInit)
+        rx = worker_transfer(init.backend)
+        kind = cmd["kind"]
+        if kind in ("raw", "shm"):
+            bufs = alloc_buffers(max(cmd["sizes"]))
+        elif kind == "rlbus":
+            params = msgspec.json.decode(cmd["params"].encode(), type=list[ParamMeta])
+            buckets = msgspec.json.decode(cmd["buckets"].encode(), type=list[BucketMeta])
+            dst = {m.name: torch.zeros(m.shape, dtype=torch_dtype(m.dtype)) for m in params}
+            scratch = alloc_buffers(max(b.nbytes for b in buckets))
+        else:  # naive
+            dst_list = [torch.zeros(n, dtype=torch.uint8) for n in cmd["sizes"]]
+        rx.join(init, cmd["rank"])
+        for _ in range(cmd["reps"]):
+            if kind in ("raw", "shm"):
+                for k, n in enumerate(cmd["sizes"]):
+                    rx.recv(bufs[k % 2][:n]).wait()
+            elif kind == "rlbus":
+                recv_buckets(rx, params, buckets, lambda n, v: dst[n].copy_(v), scratch=scratch)
+            else:
+                for d in dst_list:
+                    rx.recv(d).wait()
+            print(json.dumps({"t": time.monotonic()}), flush=True)
+        rx.close()
+
+
+# --- trainer ------------------------------------------------------------------------
+
+class Fleet:
+    def __init__(self, n: int) -> None:
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True) for _ in range(n)]
+
+    def run(self, r: int, backend: str, kind: str, reps: int, send, **extra) -> float:
+        """Best seconds from trainer start to the last receiver's finish, over reps (after a warm-up)."""
+        tx = trainer_transfer(backend)  # type: ignore[arg-type]
+        init = tx.bind(TransferInit(backend=backend, world_size=r + 1,  # type: ignore[arg-type]
+                                    group_name=f"bench-{uuid.uuid4().hex[:8]}", timeout_s=120))
+        for rank, p in enumerate(self.procs[:r], start=1):
+            assert p.stdin is not None
+            p.stdin.write(json.dumps({"kind": kind, "init": msgspec.json.encode(init).decode(), "rank": rank,
+                                      "reps": reps + 1, **extra}) + "\n")
+            p.stdin.flush()
+        tx.open(init)
+        best = float("inf")
+        for rep in range(reps + 1):
+            t0 = time.monotonic()
+            send(tx)
+            ends = [json.loads(p.stdout.readline())["t"] for p in self.procs[:r]]  # type: ignore[union-attr]
+            if rep:
+                best = min(best, max(ends) - t0)
+        tx.close()
+        return best
+
+    def close(self) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.close()
+            p.wait(30)
+
+
+def gbps(nbytes: int, s: float) -> float:
+    return nbytes / s / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=int, default=256)
+    ap.add_argument("--receivers", default="1,2")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker_main()
+    size = a.size_mb << 20
+    receivers = [int(x) for x in a.receivers.split(",")]
+    flat = torch.ones(size, dtype=torch.uint8)
+    big = mixed_model(size, 200, 0)
+    small = mixed_model(min(size // 8, 32 << 20), 1000, 1)
+    p_big, p_small = prepare(big, BUCKET), prepare(small, BUCKET)
+    pool_big = pack_all(p_big, big).pool
+    pool_small = pack_all(p_small, small).pool
+    big_bytes = sum(t.numel() * t.element_size() for _, t in big)
+    small_bytes = sum(t.numel() * t.element_size() for _, t in small)
+    chunks = [flat[i:i + BUCKET] for i in range(0, size, BUCKET)]
+
+    def stream(p, named, pool):
+        def send(tx):
+            from rlbus.transfer import send_packed
+            send_packed(tx, pack_all(p, named, pool=pool))
+        return send
+
+    def meta(p, named, pool):
+        packed = pack_all(p, named, pool=pool)
+        return {"params": msgspec.json.encode(p.params).decode(), "buckets": msgspec.json.encode(packed.buckets).decode()}
+
+    dst = torch.zeros(size, dtype=torch.uint8)
+    memcpy = min(_time(lambda: dst.copy_(flat)) for _ in range(a.reps + 1))
+
+    fleet = Fleet(max(receivers))
+    print(f"size {a.size_mb} MiB, bucket {BUCKET >> 20} MiB, torch threads {torch.get_num_threads()}")
+    print(f"memcpy in-process: {gbps(size, memcpy):.2f} GB/s")
+    try:
+        for r in receivers:
+            raw = fleet.run(r, "gloo", "raw", a.reps, lambda tx: tx.send(flat).wait(), sizes=[size])
+            rl = fleet.run(r, "gloo", "rlbus", a.reps, stream(p_big, big, pool_big), **meta(p_big, big, pool_big))
+            naive = fleet.run(r, "gloo", "naive", a.reps,
+                              lambda tx: [tx.send(as_bytes(t)).wait() for _, t in small],
+                              sizes=[t.numel() * t.element_size() for _, t in small])
+            rl_small = fleet.run(r, "gloo", "rlbus", a.reps, stream(p_small, small, pool_small),
+                                 **meta(p_small, small, pool_small))
+            shm = fleet.run(r, "shm", "shm", a.reps, lambda tx: [tx.send(c).wait() for c in chunks],
+                            sizes=[c.numel() for c in chunks])
+            print(f"\nreceivers={r}")
+            print(f"  raw gloo broadcast   {gbps(size, raw):6.2f} GB/s")
+            print(f"  rlbus gloo (200 t)   {gbps(big_bytes, rl):6.2f} GB/s   rlbus/raw   = {raw / rl * big_bytes / size:.2f}")
+            print(f"  naive gloo (1000 t)  {gbps(small_bytes, naive):6.2f} GB/s")
+            print(f"  rlbus gloo (1000 t)  {gbps(small_bytes, rl_small):6.2f} GB/s   rlbus/naive = {naive / rl_small:.2f}")
+            print(f"  shm                  {gbps(size, shm):6.2f} GB/s   shm/memcpy  = {memcpy / shm:.2f}")
+    finally:
+        fleet.close()
+
+
+def _time(fn) -> float:
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0
+
+
+if __name__ == "__main__":
+    main()
