@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+import rlbus.schemas as s
+from rlbus.errors import FailedPrecondition, Unavailable, error_for, from_nack
+
+
+def _commands() -> list[s.Command]:
+    return [
+        s.Pause(mode="keep", command_id="c1", epoch=3),
+        s.Resume(),
+        s.IsPaused(),
+        s.Sleep(level=2, tags=["weights"]),
+        s.WakeUp(tags=["kv_cache"]),
+        s.IsSleeping(),
+        s.GetServerInfo(),
+        s.GetStatus(),
+        s.InitWeightTransfer(backend="gloo", init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3), rank=1),
+        s.StartWeightUpdate(target="draft", session_id="abc"),
+        s.StartDraftWeightUpdate(),
+        s.UpdateWeights(
+            session_id="abc",
+            params=[s.ParamMeta(name="w", dtype="bfloat16", shape=[2, 3], bucket=0, offset=0, nbytes=12)],
+            buckets=[s.BucketMeta(index=0, nbytes=64, checksum="ff")],
+        ),
+        s.FinishWeightUpdate(weight_version="step-1"),
+        s.PrepareCommit(session_id="abc"),
+        s.Commit(session_id="abc", weight_version="v"),
+        s.AbortWeightUpdate(reason="x"),
+        s.UpdateWeightVersion(new_version="v2"),
+        s.GetWeightVersion(),
+    ]
+
+
+@pytest.mark.parametrize("cmd", _commands(), ids=lambda c: type(c).__name__)
+def test_every_command_round_trips_through_the_union_decoder(cmd):
+    assert s.command_decoder.decode(s.encode(cmd)) == cmd
+
+
+def test_every_command_tag_is_an_op_name():
+    tags = {type(c).__struct_config__.tag for c in _commands()}
+    assert set(s.CONTROL_OPS) <= tags
+    assert set(s.WORKER_OPS) <= tags
+
+
+def test_replies_and_events_round_trip():
+    state = s.WorkerState(worker_id="w0", paused=True, pause_mode="keep", sleeping_tags=["kv_cache"])
+    caps = s.Capabilities(sleep_mode_enabled=True, weight_transfer_backend="shm")
+    for reply in [
+        s.Nack(code="UNAVAILABLE", message="gone", failures=[s.WorkerFailure(worker_id="w1", code="UNAVAILABLE", message="x")]),
+        s.WorkerAck(state=state),
+        s.FleetAck(workers=[state], session_id="s", weight_version="v"),
+        s.ServerInfo(workers=[s.WorkerInfo(worker_id="w0", capabilities=caps, state=state, rank=0)], capabilities=caps),
+        s.VersionInfo(version="step-3", epoch=2, workers=2, time=1.5),
+    ]:
+        assert s.reply_decoder.decode(s.encode(reply)) == reply
+    for ev in [
+        s.WorkerReady(worker_id="w0", capabilities=caps, state=state),
+        s.Heartbeat(worker_id="w0", state=state),
+        s.WorkerGone(worker_id="w0"),
+        s.ControllerHello(epoch=4),
+        s.FleetEvent(event="paused", workers=["w0"]),
+    ]:
+        assert s.event_decoder.decode(s.encode(ev)) == ev
+
+
+def test_an_unknown_kind_or_bad_field_does_not_decode():
+    with pytest.raises(msgspec.ValidationError):
+        s.command_decoder.decode(b'{"kind":"format_disk"}')
+    with pytest.raises(msgspec.ValidationError):
+        s.command_decoder.decode(b'{"kind":"pause","mode":"sideways"}')
+    with pytest.raises(msgspec.ValidationError):
+        s.command_decoder.decode(b'{"kind":"sleep","level":3}')
+    with pytest.raises(msgspec.DecodeError):
+        s.command_decoder.decode(b"\x00not json")
+
+
+def test_subjects_are_built_under_the_prefix_and_refuse_wildcards():
+    subj = s.Subjects(prefix="rl")
+    assert subj.control("pause") == "rl.control.pause"
+    assert subj.worker("w0", "sleep") == "rl.worker.w0.sleep"
+    assert subj.kv_bucket == "rl_state"
+    with pytest.raises(ValueError):
+        s.Subjects(prefix="rl.*")
+    with pytest.raises(ValueError):
+        s.check_token("a.b", "worker id")
+
+
+def test_schemas_import_neither_torch_nor_nats():
+    import subprocess
+    import sys
+
+    code = "import sys, rlbus.schemas; print(any(m in sys.modules for m in ('torch', 'nats')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_each_code_maps_to_its_own_exception():
+    assert isinstance(error_for("FAILED_PRECONDITION", "m"), FailedPrecondition)
+    e = from_nack(s.Nack(code="UNAVAILABLE", message="m", failures=[s.WorkerFailure(worker_id="w3", code="UNAVAILABLE", message="x")]))
+    assert isinstance(e, Unavailable) and e.workers == ["w3"] and e.code == "UNAVAILABLE"

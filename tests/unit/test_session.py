@@ -1,0 +1,73 @@
+"""The controller's session state machine, from a table; no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlbus.services.controller.session import (
+    Abort,
+    Committed,
+    Committing,
+    Failed,
+    Finish,
+    Idle,
+    Open,
+    SetVersion,
+    SleepWeights,
+    Start,
+    Update,
+    WorkerLost,
+    step,
+)
+
+OPEN = Open(session_id="s1", target="main", epoch=1)
+COMMITTING = Committing(session_id="s1", target="main", epoch=1, version="v1")
+
+# (state, event, next state or None when refused, refusal code, abort workers)
+TABLE = [
+    (Idle(), Start("s1", "main", 1), OPEN, None, False),
+    (Idle(), Update(), None, "FAILED_PRECONDITION", False),
+    (Idle(), Finish("v1"), None, "FAILED_PRECONDITION", False),
+    (Idle(), Abort(), Idle(), None, False),
+    (Idle(), SetVersion(), Idle(), None, False),
+    (OPEN, Start("s2", "main", 1), None, "FAILED_PRECONDITION", False),
+    (OPEN, Update(), Open("s1", "main", 1, 1), None, False),
+    (OPEN, Update("other"), None, "FAILED_PRECONDITION", False),
+    (OPEN, Finish("v1"), COMMITTING, None, False),
+    (OPEN, Finish("v1", "other"), None, "FAILED_PRECONDITION", False),
+    (OPEN, Abort(), Idle(), None, True),
+    (OPEN, WorkerLost("w1"), Idle(), None, True),
+    (OPEN, SleepWeights(), Idle(), None, True),
+    (OPEN, SetVersion(), None, "FAILED_PRECONDITION", False),
+    (COMMITTING, Committed(), Idle(), None, False),
+    (COMMITTING, Failed("nack"), Idle(), None, True),
+    (COMMITTING, WorkerLost("w0"), Idle(), None, True),
+    (COMMITTING, Start("s2", "main", 1), None, "FAILED_PRECONDITION", False),
+    (COMMITTING, Update(), None, "FAILED_PRECONDITION", False),
+]
+
+
+@pytest.mark.parametrize("state,event,expected,code,abort", TABLE, ids=[f"{type(r[0]).__name__}+{type(r[1]).__name__}" for r in TABLE])
+def test_session_step_follows_the_table(state, event, expected, code, abort):
+    out = step(state, event)
+    if code is None:
+        assert out.refusal is None
+        assert out.state == expected
+    else:
+        assert out.refusal is not None and out.refusal.code == code
+        assert out.state == state, "a refusal leaves the state unchanged"
+    assert out.abort_workers is abort
+
+
+def test_finish_without_start_is_refused_with_a_hint():
+    out = step(Idle(), Finish("v"))
+    assert "start_weight_update" in out.refusal.message
+
+
+def test_a_full_session_returns_to_idle():
+    st = Idle()
+    for ev in [Start("s", "draft", 2), Update(), Update(), Finish(None), Committed()]:
+        out = step(st, ev)
+        assert out.refusal is None
+        st = out.state
+    assert st == Idle()
