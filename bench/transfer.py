@@ -31,6 +31,8 @@ from rlbus.transfer import (
     pack_all,
     prepare,
     recv_buckets,
+    send_all,
+    send_packed,
     trainer_transfer,
     worker_transfer,
 )
@@ -146,7 +148,6 @@ def main() -> None:
 
     def stream(p, named, pool):
         def send(tx):
-            from rlbus.transfer import send_packed
             send_packed(tx, pack_all(p, named, pool=pool))
         return send
 
@@ -169,7 +170,7 @@ def main() -> None:
                               sizes=[t.numel() * t.element_size() for _, t in small])
             rl_small = fleet.run(r, "gloo", "rlbus", a.reps, stream(p_small, small, pool_small),
                                  **meta(p_small, small, pool_small))
-            shm = fleet.run(r, "shm", "shm", a.reps, lambda tx: [tx.send(c).wait() for c in chunks],
+            shm = fleet.run(r, "shm", "shm", a.reps, lambda tx: send_all(tx, chunks),
                             sizes=[c.numel() for c in chunks])
             print(f"\nreceivers={r}")
             print(f"  raw gloo broadcast   {gbps(size, raw):6.2f} GB/s")

@@ -41,6 +41,7 @@ from .generate import FinishReason, GenerateReply, GenerateRequest
 from .replies import AnyReply, FleetAck, Nack, ServerInfo, VersionInfo, WorkerAck, WorkerFailure
 from .state import (
     DEFAULT_VERSION,
+    MAX_VERSION_LEN,
     SLEEP_TAGS,
     Backend,
     Capabilities,
@@ -50,6 +51,7 @@ from .state import (
     UpdateTarget,
     WorkerInfo,
     WorkerState,
+    version_problem,
 )
 from .subjects import Subjects, check_token
 from .weights import BucketMeta, DType, ParamMeta, TransferInit

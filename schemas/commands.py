@@ -82,6 +82,8 @@ class UpdateWeights(Command, frozen=True, kw_only=True, tag="update_weights"):
     session_id: str = ""
     params: list[ParamMeta] = []
     buckets: list[BucketMeta] = []
+    check_only: bool = False
+    """Controller -> worker: check names, dtypes and shapes only; start no receive."""
 
 
 class FinishWeightUpdate(Command, frozen=True, kw_only=True, tag="finish_weight_update"):

@@ -13,6 +13,18 @@ Backend = Literal["nccl", "gloo", "shm"]
 UpdateMode = Literal["staged", "in_place"]
 UpdateTarget = Literal["main", "draft"]
 DEFAULT_VERSION = "default"
+MAX_VERSION_LEN = 128
+
+
+def version_problem(version: str) -> str | None:
+    """Why a weight-version string is not acceptable, or None when it is."""
+    if not version or not version.strip():
+        return "a weight version must not be empty"
+    if len(version) > MAX_VERSION_LEN:
+        return f"a weight version is at most {MAX_VERSION_LEN} characters, got {len(version)}"
+    if not version.isprintable():
+        return f"a weight version must be printable characters only, got {version!r}"
+    return None
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):

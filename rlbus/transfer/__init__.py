@@ -40,6 +40,7 @@ from rlbus.transfer.stream import (
     pack_and_checksum,
     prepare,
     recv_buckets,
+    send_all,
     send_buckets,
     send_packed,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "plan",
     "prepare",
     "recv_buckets",
+    "send_all",
     "send_buckets",
     "send_packed",
     "torch_dtype",

@@ -115,8 +115,13 @@ def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.
 
 def send_packed(tx: TrainerTransfer, packed: Packed) -> None:
     """Send every packed bucket in order, at most two in flight; returns when all are sent."""
+    send_all(tx, packed.buffers)
+
+
+def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
+    """Send ready byte buffers in order, at most two in flight; returns when all are sent."""
     window: list[Handle] = []
-    for buf in packed.buffers:
+    for buf in buffers:
         if len(window) == 2:
             window.pop(0).wait()
         window.append(tx.send(buf))

@@ -93,6 +93,7 @@ class _Group:
                 dev = (dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
                        if _is_loopback(init.master_addr) else dist.ProcessGroupGloo.create_default_device())
                 opts._devices = [dev]
+                _name(opts, init)
                 # Constructing the gloo group connects the full mesh: it returns only
                 # once every rank is in, or raises after the store timeout.
                 pg = dist.ProcessGroupGloo(store, rank, init.world_size, opts)
@@ -102,6 +103,7 @@ class _Group:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 opts.is_high_priority_stream = False
+                _name(opts, init)
                 pg = dist.ProcessGroupNCCL(store, rank, init.world_size, opts)
                 # NCCL forms its communicator lazily; one tiny broadcast forms it now.
                 probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
@@ -143,6 +145,13 @@ class _Group:
         del pg
         self._store = self._raw = None
         self._init = None
+
+
+def _name(opts: object, init: TransferInit) -> None:
+    # Names the group in torch's logs and flight recorder; several groups may share a process.
+    for attr, value in (("group_name", init.group_name), ("global_ranks_in_group", list(range(init.world_size)))):
+        if hasattr(opts, attr):
+            setattr(opts, attr, value)
 
 
 def _root0() -> dist.BroadcastOptions:

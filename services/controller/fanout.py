@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -38,17 +39,23 @@ class Outcome(msgspec.Struct):
 
 
 async def fan_out(
-    nc: Client, subjects: Subjects, worker_ids: list[str], command: AnyCommand, timeout: float
+    nc: Client,
+    subjects: Subjects,
+    worker_ids: list[str],
+    command: AnyCommand | Callable[[str], AnyCommand],
+    timeout: float,
 ) -> Outcome:
-    """Send `command` to every worker concurrently; collect an answer from each within `timeout`."""
-    op = type(command).__struct_config__.tag
-    payload = encode(command)
+    """Send `command` (or `command(worker_id)`) to every worker concurrently; collect an
+    answer from each within `timeout`."""
+    payloads = {w: encode(command(w) if callable(command) else command) for w in worker_ids}
+    sample = command(worker_ids[0]) if callable(command) and worker_ids else command
+    op = type(sample).__struct_config__.tag
     out = Outcome(acks={}, failures=[])
     answered: set[str] = set()
 
     async def one(worker_id: str) -> None:
         try:
-            msg = await nc.request(subjects.worker(worker_id, op), payload, timeout=timeout)
+            msg = await nc.request(subjects.worker(worker_id, op), payloads[worker_id], timeout=timeout)
         except NoRespondersError:
             out.failures.append(WorkerFailure(worker_id=worker_id, code="UNAVAILABLE", message="worker is gone (no responders)"))
         except (NatsTimeout, TimeoutError):

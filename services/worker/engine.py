@@ -78,5 +78,8 @@ class Engine(Protocol):
     def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
         """Live parameter tensors (receive in place into these)."""
 
-    async def load_weights(self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy tensors into the model between forward steps."""
+    async def load_weights(
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+    ) -> None:
+        """Copy tensors into the model between forward steps. `written`: parameters already
+        written in place (in_place mode); together they may complete a level-2 reload."""

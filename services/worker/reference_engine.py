@@ -298,7 +298,9 @@ class ReferenceEngine:
     def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
         return {n: p.data for n, p in self._module(target).named_parameters()}
 
-    async def load_weights(self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor]) -> None:
+    async def load_weights(
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+    ) -> None:
         module = self._module(target)
         async with self._model_lock:
             if "weights" in self._sleeping:
@@ -306,7 +308,8 @@ class ReferenceEngine:
             params = dict(module.named_parameters())
             for name, t in tensors.items():
                 params[name].data.copy_(t)
-            if target == "main" and set(tensors) >= set(self._specs):
+            covered = set(tensors) | (written or set())
+            if target == "main" and covered >= set(self._specs):
                 self._weights_loaded = True
         self._notify()
 

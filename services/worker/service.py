@@ -22,18 +22,25 @@ from rlbus.errors import FailedPrecondition, InvalidArgument, RLBusError
 from rlbus.schemas import (
     SLEEP_TAGS,
     UNDECODABLE_STATUS,
+    AbortWeightUpdate,
     AnyCommand,
     Backend,
     Capabilities,
+    Commit,
     ControllerHello,
     GenerateReply,
     GetStatus,
     Heartbeat,
+    InitWeightTransfer,
     Pause,
+    PrepareCommit,
     Resume,
     Sleep,
+    StartWeightUpdate,
     Subjects,
     UpdateMode,
+    UpdateWeights,
+    UpdateWeightVersion,
     WakeUp,
     WorkerAck,
     WorkerGone,
@@ -48,6 +55,7 @@ from rlbus.schemas.codec import DecodeError
 from rlbus.services.handlers import Endpoints
 
 from .engine import Engine
+from .updates import WeightUpdates
 
 log = logging.getLogger("rlbus.worker")
 
@@ -62,6 +70,8 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 1.0
     drain_timeout_s: float = 10.0
     """On stop, how long in-flight requests get to finish before they are aborted."""
+    receive_timeout_s: float = 60.0
+    """Phase 1 of finish waits at most this long for the weight bytes to arrive."""
 
 
 class WorkerService:
@@ -79,7 +89,8 @@ class WorkerService:
         self._micro: Service | None = None
         self._stop = anyio.Event()
         self._endpoints: Endpoints | None = None
-        self._generate_in_flight = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -111,6 +122,8 @@ class WorkerService:
             param_bytes=s.param_bytes,
             kv_cache_bytes=s.kv_cache_bytes,
             dirty=self.engine.dirty,
+            session_id=self.updates.session_id,
+            transfer_ready=self.updates.transfer_ready,
         )
 
     def ack(self) -> WorkerAck:
@@ -127,6 +140,7 @@ class WorkerService:
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
         """Serve until stop(); then drain: in-flight requests finish and reply."""
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             self._endpoints = eps = Endpoints(tg, f"worker {self.id}")
             self._micro = await add_service(
                 self.nc,
@@ -168,6 +182,8 @@ class WorkerService:
                         await self.nc.flush(timeout=2)
                     except Exception as e:
                         log.warning("worker %s: could not say goodbye: %s", self.id, e)
+            self.updates.abort("")
+            self.updates.teardown()
             tg.cancel_scope.cancel()
 
     def stop(self) -> None:
@@ -202,6 +218,13 @@ class WorkerService:
             "sleep": self._sleep,
             "wake_up": self._wake_up,
             "status": self._status,
+            "init_weight_transfer": self._init_weight_transfer,
+            "start_weight_update": self._start_weight_update,
+            "update_weights": self._update_weights,
+            "prepare": self._prepare,
+            "commit": self._commit,
+            "abort_weight_update": self._abort_weight_update,
+            "update_weight_version": self._update_weight_version,
         }
 
     def _fenced(self, handler: Callable[[AnyCommand], Awaitable[object]]) -> Callable[[AnyCommand], Awaitable[object]]:
@@ -227,7 +250,10 @@ class WorkerService:
 
     async def _sleep(self, cmd: AnyCommand) -> WorkerAck:
         assert isinstance(cmd, Sleep)
-        await self.engine.sleep(cmd.level, _tags(cmd.tags))
+        tags = _tags(cmd.tags)
+        await self.engine.sleep(cmd.level, tags)
+        if "weights" in tags:
+            self.updates.abort("")  # an update session cannot survive its weights going to sleep
         return self.ack()
 
     async def _wake_up(self, cmd: AnyCommand) -> WorkerAck:
@@ -237,6 +263,47 @@ class WorkerService:
 
     async def _status(self, cmd: AnyCommand) -> WorkerAck:
         assert isinstance(cmd, GetStatus)
+        return self.ack()
+
+    async def _init_weight_transfer(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, InitWeightTransfer)
+        if cmd.init_info is None:
+            raise InvalidArgument("init_weight_transfer needs init_info (the trainer's rendezvous)")
+        await self.updates.join(cmd.init_info, cmd.rank)
+        return self.ack()
+
+    async def _start_weight_update(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, StartWeightUpdate)
+        self.updates.start(cmd.session_id, cmd.target)
+        return self.ack()
+
+    async def _update_weights(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, UpdateWeights)
+        if cmd.check_only:
+            self.updates.check(cmd.session_id, cmd.params, cmd.buckets)
+        else:
+            assert self._tg is not None
+            self.updates.receive(cmd.session_id, cmd.params, cmd.buckets, self._tg)
+        return self.ack()
+
+    async def _prepare(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, PrepareCommit)
+        await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s)
+        return self.ack()
+
+    async def _commit(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, Commit)
+        await self.updates.commit(cmd.session_id, cmd.weight_version)
+        return self.ack()
+
+    async def _abort_weight_update(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, AbortWeightUpdate)
+        self.updates.abort(cmd.session_id)
+        return self.ack()
+
+    async def _update_weight_version(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, UpdateWeightVersion)
+        self.updates.set_version(cmd.new_version)
         return self.ack()
 
     # ---- generation --------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""The worker's side of weight updates: the transfer group, the open session, staged bytes.
+
+staged mode: tensors are received into a shadow copy; commit copies them into the model
+between two forward steps; abort drops the copy and the model never changed.
+in_place mode: tensors are received straight into the model's parameters (no extra
+memory, like vLLM); an abort after bytes arrived leaves the engine dirty, and it refuses
+generation until a later update commits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from rlbus.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
+from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget
+from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer
+from rlbus.transfer.buckets import validate
+from rlbus.transfer.factory import worker_transfer
+from rlbus.transfer.stream import recv_buckets
+
+from .engine import Engine
+
+log = logging.getLogger("rlbus.worker.updates")
+
+
+class _Session:
+    def __init__(self, session_id: str, target: UpdateTarget) -> None:
+        self.session_id = session_id
+        self.target = target
+        self.staged: dict[str, torch.Tensor] = {}
+        self.touched = False
+        """in_place: some bytes reached the live parameters."""
+        self.receiving = 0
+        self.failure: Exception | None = None
+        self.done = anyio.Event()
+        self.done.set()
+        self.received: set[str] = set()
+
+
+class WeightUpdates:
+    """One per worker. All methods run on the worker's event loop; receives run in threads."""
+
+    def __init__(self, engine: Engine, backend: Backend | None, mode: UpdateMode) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.mode = mode
+        self.rx: WorkerTransfer | None = None
+        self.init: TransferInit | None = None
+        self.session: _Session | None = None
+        self._recv_lock = anyio.Lock()  # broadcasts arrive in order: one receive at a time
+
+    @property
+    def transfer_ready(self) -> bool:
+        return self.rx is not None
+
+    @property
+    def session_id(self) -> str | None:
+        return self.session.session_id if self.session else None
+
+    # ---- transfer group ----------------------------------------------------------------
+
+    async def join(self, init: TransferInit, rank: int) -> None:
+        if self.backend is None:
+            raise FailedPrecondition("this worker has no weight transfer backend; start it with --weight-transfer-backend")
+        if init.backend != self.backend:
+            raise FailedPrecondition(f"this worker's backend is {self.backend}, not {init.backend}")
+        if not 1 <= rank < init.world_size:
+            raise InvalidArgument(f"rank {rank} outside 1..{init.world_size - 1}")
+        if self.session is not None:
+            raise FailedPrecondition(f"session {self.session.session_id} is open; finish or abort it before re-initialising")
+        self.teardown()
+        rx = worker_transfer(init.backend)
+        try:
+            await anyio.to_thread.run_sync(rx.join, init, rank, abandon_on_cancel=True)
+        except TransferError as e:
+            rx.close()
+            raise FailedPrecondition(f"could not join the weight-transfer group: {e}") from None
+        self.rx, self.init = rx, init
+
+    def teardown(self) -> None:
+        if self.rx is not None:
+            self.rx.close()
+        self.rx = self.init = None
+
+    # ---- session -----------------------------------------------------------------------
+
+    def _open(self, session_id: str) -> _Session:
+        s = self.session
+        if s is None:
+            raise FailedPrecondition("no weight update session is open on this worker; call start_weight_update() first")
+        if session_id and session_id != s.session_id:
+            raise FailedPrecondition(f"session {session_id} is not this worker's open session {s.session_id}")
+        return s
+
+    def start(self, session_id: str, target: UpdateTarget) -> None:
+        if self.session is not None:
+            if self.session.session_id == session_id:
+                return
+            raise FailedPrecondition(f"session {self.session.session_id} is already open; finish or abort it first")
+        if self.rx is None:
+            raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
+        if "weights" in self.engine.status().sleeping_tags:
+            raise FailedPrecondition(
+                "weights are asleep; call wake_up(tags=['weights']) before updating them "
+                "(level 2: wake weights -> update -> wake kv_cache)"
+            )
+        self.engine.param_specs(target)  # refuses a target the engine does not have
+        self.session = _Session(session_id, target)
+
+    def check(self, session_id: str, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]) -> None:
+        """Names, dtypes and shapes against the model, before any byte moves."""
+        s = self._open(session_id)
+        try:
+            validate(params, buckets)
+        except PlanError as e:
+            raise InvalidArgument(f"inconsistent weight metadata: {e}") from None
+        specs = self.engine.param_specs(s.target)
+        problems = []
+        for m in params:
+            spec = specs.get(m.name)
+            if spec is None:
+                problems.append(f"{m.name} (unknown parameter)")
+            elif str(spec.dtype).removeprefix("torch.") != m.dtype:
+                problems.append(f"{m.name} (dtype {m.dtype}, model has {str(spec.dtype).removeprefix('torch.')})")
+            elif tuple(m.shape) != tuple(spec.shape):
+                problems.append(f"{m.name} (shape {list(m.shape)}, model has {list(spec.shape)})")
+        if problems:
+            raise InvalidArgument(f"{len(problems)} tensors do not match the {s.target} model: " + ", ".join(problems))
+
+    def receive(self, session_id: str, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], tg) -> None:  # noqa: ANN001
+        """Start receiving (checked) tensors in the background; prepare() waits for it."""
+        self.check(session_id, params, buckets)
+        s = self._open(session_id)
+        rx = self.rx
+        if rx is None:
+            raise FailedPrecondition("the weight-transfer group is gone; call init_weight_transfer() again")
+        if s.receiving == 0:
+            s.done = anyio.Event()
+        s.receiving += 1
+        live = self.engine.parameters_of(s.target)
+
+        def sink(name: str, view: torch.Tensor) -> None:
+            if self.mode == "in_place":
+                s.touched = True
+                live[name].copy_(view)
+            else:
+                s.staged[name] = view.clone()
+            s.received.add(name)
+
+        async def run() -> None:
+            try:
+                async with self._recv_lock:
+                    await anyio.to_thread.run_sync(recv_buckets, rx, list(params), list(buckets), sink, abandon_on_cancel=True)
+            except ChecksumMismatch as e:
+                s.failure = s.failure or e
+            except TransferError as e:
+                s.failure = s.failure or e
+                self.teardown()  # a broken group cannot be trusted for the next session
+            except Exception as e:  # noqa: BLE001
+                log.exception("receive failed")
+                s.failure = s.failure or e
+            finally:
+                s.receiving -= 1
+                if s.receiving == 0:
+                    s.done.set()
+
+        tg.start_soon(run)
+
+    async def prepare(self, session_id: str, timeout: float) -> None:
+        """Phase 1 of finish: every receive done and verified."""
+        s = self._open(session_id)
+        with anyio.move_on_after(timeout):
+            await s.done.wait()
+        if s.receiving:
+            raise Aborted(f"still receiving weights after {timeout:g}s; the trainer did not send every bucket")
+        if isinstance(s.failure, ChecksumMismatch):
+            raise Aborted(f"checksum mismatch: {s.failure}")
+        if s.failure is not None:
+            raise Aborted(f"receiving weights failed: {type(s.failure).__name__}: {s.failure}")
+
+    async def commit(self, session_id: str, version: str | None) -> None:
+        """Phase 2 of finish: apply staged tensors, take the version, close the session."""
+        s = self._open(session_id)
+        if s.receiving or s.failure is not None:
+            raise Internal("commit before a successful prepare")
+        if s.staged or s.received:
+            written = set() if self.mode == "staged" else s.received
+            await self.engine.load_weights(s.target, s.staged, written)
+        if s.target == "main":
+            self.engine.dirty = False
+            if version is not None:
+                self.engine.weight_version = version
+        else:
+            if version is not None:
+                self.engine.draft_version = version
+        self.session = None
+
+    def abort(self, session_id: str) -> bool:
+        """Drop the session; True if one was open. A receive still waiting tears the group down."""
+        s = self.session
+        if s is None or (session_id and session_id != s.session_id):
+            return False
+        if s.receiving:
+            self.teardown()  # unblocks nothing by itself, but the group is not reused
+        if self.mode == "in_place" and s.touched and s.target == "main":
+            self.engine.dirty = True
+        s.staged.clear()
+        self.session = None
+        return True
+
+    def set_version(self, version: str) -> None:
+        if self.session is not None:
+            raise FailedPrecondition(f"session {self.session.session_id} is open; finish or abort it first")
+        self.engine.weight_version = version
