@@ -3,19 +3,42 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from typing import Any, TypeVar
+import logging
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from rlbus.connection import connect, resolve_url
-from rlbus.errors import DeadlineExceeded, Internal, TransportError, Unavailable, from_nack
+from rlbus.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    RLBusError,
+    TransportError,
+    Unavailable,
+    from_nack,
+)
 from rlbus.schemas import (
+    DEFAULT_VERSION,
+    AbortWeightUpdate,
     AnyCommand,
+    Backend,
+    FinishWeightUpdate,
+    GetWeightVersion,
+    InitWeightTransfer,
+    StartDraftWeightUpdate,
+    StartWeightUpdate,
+    TransferInit,
+    UpdateWeights,
+    UpdateWeightVersion,
+    VersionInfo,
     FleetAck,
     GenerateReply,
     GenerateRequest,
@@ -37,7 +60,16 @@ from rlbus.schemas import (
 )
 from rlbus.schemas.codec import DecodeError
 
+if TYPE_CHECKING:
+    import torch
+
+    from rlbus.transfer.base import TrainerTransfer
+
 T = TypeVar("T")
+log = logging.getLogger("rlbus.client")
+
+# NATS' default max_payload is 1 MiB; metadata messages are split well below it.
+_MAX_META_BYTES = 512 * 1024
 
 
 class RLClient:
@@ -49,6 +81,11 @@ class RLClient:
         self.timeout = timeout
         """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
         self._owns = owns_connection
+        self._tx: TrainerTransfer | None = None
+        self._init: TransferInit | None = None
+        self._pool: torch.Tensor | None = None
+        self.bucket_bytes = 64 << 20
+        """Bucket size for update_weights; set per call with bucket_bytes=."""
 
     @classmethod
     async def connect(cls, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0) -> "RLClient":
@@ -59,6 +96,7 @@ class RLClient:
         return cls(nc, subjects=Subjects(prefix=prefix), timeout=timeout, owns_connection=True)
 
     async def close(self) -> None:
+        self._close_transfer()
         if self._owns and not self.nc.is_closed:
             await self.nc.drain()
 
@@ -73,8 +111,6 @@ class RLClient:
     async def _call(self, command: AnyCommand, expect: type[T], timeout: float | None = None) -> T:
         op = type(command).__struct_config__.tag
         if not command.command_id:
-            import msgspec
-
             command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex)
         t = timeout or self.timeout
         try:
@@ -150,6 +186,221 @@ class RLClient:
         return reply
 
 
+    # ---- weight transfer -------------------------------------------------------------
+
+    @property
+    def transfer_ready(self) -> bool:
+        """True once init_weight_transfer() built a group that has not been torn down."""
+        return self._tx is not None
+
+    def _close_transfer(self) -> None:
+        if self._tx is not None:
+            self._tx.close()
+        self._tx = self._init = None
+
+    async def init_weight_transfer(
+        self, backend: Backend | None = None, *, master_addr: str = "127.0.0.1", timeout_s: float = 60.0
+    ) -> FleetAck:
+        """Open the trainer's side of a transfer group (rank 0) while every worker joins it.
+
+        backend: None = the backend every worker reports. Collectives time out after timeout_s.
+        """
+        from rlbus.transfer.base import TransferError
+        from rlbus.transfer.factory import trainer_transfer
+
+        info = await self.server_info()
+        fleet_backend = info.capabilities.weight_transfer_backend
+        chosen = backend or fleet_backend
+        if chosen is None:
+            backends = {w.worker_id: w.capabilities.weight_transfer_backend for w in info.workers}
+            raise FailedPrecondition(f"workers have no common weight transfer backend: {backends}")
+        self._close_transfer()
+        tx = trainer_transfer(chosen)
+        init = tx.bind(
+            TransferInit(
+                backend=chosen, master_addr=master_addr, master_port=0, world_size=len(info.workers) + 1,
+                rank_offset=1, group_name=f"rlbus-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s,
+            )
+        )
+        opened = anyio.Event()
+        failure: list[BaseException] = []
+
+        async def open_side() -> None:
+            try:
+                await anyio.to_thread.run_sync(tx.open, init, abandon_on_cancel=True)
+            except BaseException as e:  # noqa: BLE001
+                failure.append(e)
+            opened.set()
+
+        refused: list[RLBusError] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(open_side)
+                try:
+                    ack = await self._call(
+                        InitWeightTransfer(backend=chosen, init_info=init), FleetAck, timeout=max(self.timeout, timeout_s + 10)
+                    )
+                except RLBusError as e:
+                    refused.append(e)
+                    tg.cancel_scope.cancel()  # the open side would only time out
+                else:
+                    await opened.wait()
+        except BaseException:
+            tx.close()
+            raise
+        if refused:
+            tx.close()
+            raise refused[0]
+        if failure:
+            tx.close()
+            e = failure[0]
+            if isinstance(e, TransferError):
+                raise DeadlineExceeded(f"weight-transfer group did not form: {e}") from None
+            raise e
+        self._tx, self._init = tx, init
+        return ack
+
+    async def start_weight_update(self) -> FleetAck:
+        """Open an update session for the main model on every worker."""
+        return await self._call(StartWeightUpdate(target="main"), FleetAck)
+
+    async def start_draft_weight_update(self) -> FleetAck:
+        """Open an update session whose target is the draft (speculative decoding) model."""
+        return await self._call(StartDraftWeightUpdate(), FleetAck)
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], *, bucket_bytes: int | None = None
+    ) -> FleetAck:
+        """Send tensors to every worker: metadata through the controller (every worker checks
+        names, dtypes and shapes first), then the bytes out-of-band in checksummed buckets."""
+        from rlbus.transfer.base import TransferError
+        from rlbus.transfer.stream import pack_all, prepare, send_all
+
+        tx = self._tx
+        if tx is None:
+            raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
+        named = [(n, t.detach().to("cpu") if t.device.type != "cpu" else t.detach()) for n, t in named_tensors]
+        plan = prepare(named, bucket_bytes or self.bucket_bytes)
+        packed = await anyio.to_thread.run_sync(lambda: pack_all(plan, named, pool=self._pool))
+        self._pool = packed.pool
+        ack: FleetAck | None = None
+        for first, last in _chunks(plan.per_bucket):
+            base = first
+            params = [
+                msgspec.structs.replace(m, bucket=m.bucket - base) for k in range(first, last) for m in plan.per_bucket[k]
+            ]
+            buckets = [msgspec.structs.replace(b, index=b.index - base) for b in packed.buckets[first:last]]
+            ack = await self._call(UpdateWeights(params=params, buckets=buckets), FleetAck)
+            try:
+                await anyio.to_thread.run_sync(send_all, tx, packed.buffers[first:last], abandon_on_cancel=True)
+            except TransferError as e:
+                self._close_transfer()
+                raise Aborted(f"sending weights failed ({e}); abort the session and init_weight_transfer() again") from None
+        if ack is None:  # nothing to send: still tell the controller (an empty update)
+            ack = await self._call(UpdateWeights(params=[], buckets=[]), FleetAck)
+        return ack
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> FleetAck:
+        """Commit on every worker (two-phase) and publish the version; None keeps the version string."""
+        return await self._call(FinishWeightUpdate(weight_version=weight_version), FleetAck)
+
+    async def abort_weight_update(self, reason: str = "") -> FleetAck:
+        """Drop the open session everywhere; old weights and version stay."""
+        return await self._call(AbortWeightUpdate(reason=reason), FleetAck)
+
+    async def update_weight_version(self, new_version: str) -> FleetAck:
+        """Set the version string without a transfer (refused while a session is open)."""
+        return await self._call(UpdateWeightVersion(new_version=new_version), FleetAck)
+
+    async def get_weight_version(self) -> str:
+        """The version every worker holds; an error naming who disagrees otherwise."""
+        return (await self._call(GetWeightVersion(), VersionInfo)).version
+
+    async def watch_versions(self) -> AsyncIterator[VersionInfo]:
+        """Yield the committed version first, then each new one. Backed by JetStream KV, so
+        a subscriber that was disconnected still ends on the current version."""
+        import nats.js.errors
+
+        try:
+            kv = await self.nc.jetstream().key_value(self.subjects.kv_bucket)
+        except nats.js.errors.BucketNotFoundError:
+            raise Unavailable("no controller has run on this prefix yet (no state bucket)") from None
+        watcher = await kv.watch("version")
+        decoder = msgspec.json.Decoder(VersionInfo)
+        try:
+            first = True
+            async for entry in watcher:
+                if entry is None:  # end of the initial values
+                    if first:
+                        first = False
+                        yield VersionInfo(version=DEFAULT_VERSION)
+                    continue
+                if entry.value:
+                    first = False
+                    yield decoder.decode(entry.value)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await watcher.stop()
+                except Exception:  # the connection is already closing
+                    pass
+
+    async def push_weights(
+        self,
+        named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+        version: str | None = None,
+        *,
+        pause_mode: PauseMode = "wait",
+        draft: bool = False,
+        bucket_bytes: int | None = None,
+    ) -> FleetAck:
+        """pause -> start -> update -> finish -> resume. Any failure aborts the session
+        everywhere (old weights and version stay) and re-raises; the fleet is resumed."""
+        paused = await self.pause(pause_mode)
+        try:
+            if self._tx is None or not all(w.transfer_ready for w in paused.workers):
+                await self.init_weight_transfer()
+            if draft:
+                await self.start_draft_weight_update()
+            else:
+                await self.start_weight_update()
+            try:
+                await self.update_weights(named_tensors, bucket_bytes=bucket_bytes)
+                return await self.finish_weight_update(version)
+            except BaseException as e:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.abort_weight_update(reason=f"push failed: {e}")
+                    except RLBusError as abort_error:
+                        log.warning("abort after a failed push also failed: %s", abort_error)
+                    info = await self._safe_server_info()
+                    if info is not None and not all(w.state.transfer_ready for w in info.workers):
+                        self._close_transfer()  # a worker left the group: rebuild it next time
+                raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.resume()
+
+    async def _safe_server_info(self) -> ServerInfo | None:
+        try:
+            return await self.server_info()
+        except RLBusError:
+            return None
+
+
+def _chunks(per_bucket: list[list[Any]]) -> Iterator[tuple[int, int]]:
+    """Consecutive bucket ranges whose metadata stays under the message size limit."""
+    first, size = 0, 0
+    for k, metas in enumerate(per_bucket):
+        cost = 200 + sum(120 + len(m.name) + 12 * len(m.shape) for m in metas)
+        if size and size + cost > _MAX_META_BYTES:
+            yield first, k
+            first, size = k, 0
+        size += cost
+    if per_bucket:
+        yield first, len(per_bucket)
+
+
 def _raise_for_service_error(op: str, msg: Any) -> None:
     headers = msg.headers or {}
     if "Nats-Service-Error-Code" in headers:
@@ -199,6 +450,18 @@ class SyncRLClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def watch_versions(self) -> Iterator[VersionInfo]:
+        """Blocking form of RLClient.watch_versions()."""
+        agen = self._client.watch_versions()
+        try:
+            while True:
+                try:
+                    yield self._portal.call(agen.__anext__)
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._portal.call(agen.aclose)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)

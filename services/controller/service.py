@@ -199,9 +199,15 @@ class ControllerService:
             raise Unavailable("no workers are registered; start workers (rlbus worker) and retry")
         return ids
 
-    async def _fan_out(self, command: AnyCommand, workers: list[str] | None = None, timeout: float | None = None) -> Outcome:
+    async def _fan_out(self, command: AnyCommand | Callable[[str], AnyCommand], workers: list[str] | None = None, timeout: float | None = None) -> Outcome:
         workers = self._workers() if workers is None else workers
-        stamped = msgspec.structs.replace(command, epoch=self.epoch, command_id=command.command_id or uuid.uuid4().hex)
+        command_id = uuid.uuid4().hex
+
+        def stamp(c: AnyCommand) -> AnyCommand:
+            # one fresh id per fan-out: the trainer's id dedups at the controller, this one at workers
+            return msgspec.structs.replace(c, epoch=self.epoch, command_id=command_id)
+
+        stamped = (lambda w: stamp(command(w))) if callable(command) else stamp(command)
         out = await fan_out(self.nc, self.subjects, workers, stamped, timeout or self.opts.command_timeout_s)
         for state in out.acks.values():
             self.registry.seen(state)
