@@ -110,17 +110,25 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
 @click.option("--max-seq-len", default=128, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Init seed (same seed = same initial weights).")
 @click.option("--max-concurrency", default=8, show_default=True, help="KV-cache slots (requests at once).")
+@click.option("--draft/--no-draft", default=False, show_default=True, help="Host a draft model for speculative decoding.")
+@click.option("--draft-layers", default=1, show_default=True)
+@click.option("--draft-d-model", default=None, type=int, help="Draft width (default: the verifier's).")
+@click.option("--num-speculative-tokens", default=4, show_default=True, help="Draft tokens proposed per step (0 = speculation off).")
+@click.option("--stale-draft-policy", type=click.Choice(["keep", "disable"]), default="keep", show_default=True,
+              help="When the verifier is newer than the draft: keep speculating, or decode plainly until the draft is pushed.")
 @click.option("--heartbeat", default=1.0, show_default=True, help="Heartbeat interval, seconds.")
 @click.option("-v", "--verbose", is_flag=True)
 def worker(
     nats_url: str | None, worker_id: str | None, prefix: str, weight_transfer_backend: str, update_mode: str,
     enable_sleep_mode: bool, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_len: int,
-    seed: int, max_concurrency: int, heartbeat: float, verbose: bool,
+    seed: int, max_concurrency: int, draft: bool, draft_layers: int, draft_d_model: int | None,
+    num_speculative_tokens: int, stale_draft_policy: str, heartbeat: float, verbose: bool,
 ) -> None:
     """Run a worker service hosting the reference engine."""
     import os
     import socket
 
+    import msgspec
     import torch
 
     from rlbus.schemas import Subjects
@@ -133,6 +141,10 @@ def worker(
     torch.set_num_threads(1)
     wid = worker_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
     cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=max_seq_len, seed=seed)
+    draft_cfg = (
+        msgspec.structs.replace(cfg, n_layers=draft_layers, d_model=draft_d_model or d_model, seed=seed + 1000)
+        if draft else None
+    )
     opts = WorkerOptions(
         worker_id=wid,
         subjects=Subjects(prefix=prefix),
@@ -142,7 +154,10 @@ def worker(
     )
 
     def make(nc):  # noqa: ANN001, ANN202
-        engine = ReferenceEngine(cfg, max_concurrency=max_concurrency, sleep_mode_enabled=enable_sleep_mode)
+        engine = ReferenceEngine(
+            cfg, max_concurrency=max_concurrency, sleep_mode_enabled=enable_sleep_mode, draft_config=draft_cfg,
+            num_speculative_tokens=num_speculative_tokens, stale_draft_policy=stale_draft_policy,  # type: ignore[arg-type]
+        )
         return WorkerService(nc, engine, opts)
 
     anyio.run(serve, _url(nats_url), f"rlbus-worker-{wid}", make)
@@ -169,18 +184,24 @@ def _print_status(info: Any) -> None:
     from rich.table import Table
 
     caps = info.capabilities
-    t = Table(title=f"rlbus fleet — version {info.weight_version}, epoch {info.epoch}")
-    for col in ("worker", "rank", "paused", "sleeping", "version", "in flight", "params MiB", "kv MiB", "seen s"):
+    draft = f", draft {info.draft_version}" if info.draft_version else ""
+    t = Table(title=f"rlbus fleet — version {info.weight_version}{draft}, epoch {info.epoch}")
+    for col in ("worker", "rank", "paused", "sleeping", "version", "draft", "in flight", "params MiB", "kv MiB", "seen s"):
         t.add_column(col)
     for w in info.workers:
         s = w.state
         t.add_row(
             w.worker_id, str(w.rank), s.pause_mode or "no" if s.paused else "no",
-            ",".join(s.sleeping_tags) or "no", s.weight_version + (" (stale)" if w.stale else ""),
+            ",".join(s.sleeping_tags) or "no",
+            s.weight_version + (" (stale)" if w.stale else "") + (" (dirty)" if s.dirty else ""),
+            (s.draft_version or "-") + (" (stale)" if s.draft_stale else ""),
             str(s.in_flight), f"{s.param_bytes / 2**20:.2f}", f"{s.kv_cache_bytes / 2**20:.2f}", f"{w.last_seen_s:.1f}",
         )
     c = Console(width=None if sys.stdout.isatty() else 140)
     c.print(t)
+    rates = [f"{w.worker_id}={w.state.acceptance_rate:.0%}" for w in info.workers if w.state.acceptance_rate is not None]
+    if rates:
+        c.print("draft acceptance: " + " ".join(rates))
     c.print(
         f"capabilities: sleep_mode={caps.sleep_mode_enabled} backend={caps.weight_transfer_backend or 'none'} "
         f"draft={caps.has_draft_model} draft_updates={caps.supports_draft_weight_updates} "
@@ -237,6 +258,20 @@ def wake(nats_url: str | None, tags: str | None) -> None:
     """Wake every worker (all parts, or the given tags)."""
     tag_list = tags.split(",") if tags else None
     _show_ack(_client_call(nats_url, lambda rl: rl.wake_up(tag_list)))
+
+
+@main.command()
+@url_option
+@click.option("--set", "new_version", default=None, help="Set the version string without a transfer.")
+def version(nats_url: str | None, new_version: str | None) -> None:
+    """Show the weight version every worker holds (or set it with --set)."""
+
+    async def run(rl: Any) -> str:
+        if new_version is not None:
+            await rl.update_weight_version(new_version)
+        return await rl.get_weight_version()
+
+    click.echo(_client_call(nats_url, run))
 
 
 if __name__ == "__main__":  # pragma: no cover

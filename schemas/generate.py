@@ -33,6 +33,12 @@ class GenerateReply(Message, frozen=True, kw_only=True, tag="generate_reply"):
     """Draft tokens proposed (speculative decoding)."""
     accepted: int = 0
     """Draft tokens accepted by the verifier."""
+    mean_accepted_length: float = 0.0
+    """Accepted draft tokens per verifier step (0 without speculation)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
     def aborted(self) -> bool:

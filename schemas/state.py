@@ -68,6 +68,16 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     """The open weight-update session, if any."""
     transfer_ready: bool = False
     """The worker has joined a weight-transfer group."""
+    draft_stale: bool = False
+    """The verifier was updated after the draft last was (speculation acceptance drops)."""
+    spec_proposed: int = 0
+    """Draft tokens proposed since the worker started."""
+    spec_accepted: int = 0
+    """Draft tokens accepted since the worker started."""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
 
     @property
     def sleeping(self) -> bool:

@@ -25,6 +25,7 @@ async def start_fleet(
     liveness_timeout_s: float = 1.5,
     heartbeat_s: float = 0.25,
     model: ModelConfig = SMALL,
+    engine_kw: dict[str, object] | None = None,
     **worker_kw: object,
 ) -> tuple[LocalFleet, RLClient]:
     subjects = Subjects(prefix=prefix)
@@ -34,7 +35,7 @@ async def start_fleet(
     )
     for wid in worker_ids:
         await fleet.start_worker(
-            ReferenceEngine(model, sleep_mode_enabled=sleep_mode),
+            ReferenceEngine(model, sleep_mode_enabled=sleep_mode, **(engine_kw or {})),  # type: ignore[arg-type]
             WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=heartbeat_s, **worker_kw),  # type: ignore[arg-type]
         )
     await fleet.wait_for_workers(worker_ids)

@@ -36,6 +36,7 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[float] | None = None
     proposed: int = 0
     accepted: int = 0
+    mean_accepted_length: float = 0.0
 
 
 class ParamSpec(msgspec.Struct, frozen=True):
@@ -51,11 +52,19 @@ class Engine(Protocol):
 
     model_name: str
     sleep_mode_enabled: bool
-    has_draft_model: bool
-    supports_draft_weight_updates: bool
+
+    @property
+    def has_draft_model(self) -> bool: ...
+
+    @property
+    def supports_draft_weight_updates(self) -> bool:
+        """A draft exists, speculation is on and this engine can update the draft."""
     weight_version: str
     draft_version: str | None
     dirty: bool
+    draft_stale: bool
+    spec_proposed: int
+    spec_accepted: int
 
     @property
     def num_params(self) -> int: ...

@@ -1,13 +1,15 @@
-"""The reference engine: TinyLM behind the Engine protocol, with a real generation loop.
+"""The reference engine: TinyLM behind the Engine protocol, with a real generation loop and
+optional speculative decoding (a draft TinyLM proposes k tokens, the verifier checks them).
 
-Requests run as tasks that step one token at a time; the model lock is held only for one
-forward, so pause, sleep and weight loads slot in between tokens and never race a forward.
+Requests run as tasks that step one round at a time; the model lock is held only for one
+round, so pause, sleep and weight loads slot in between rounds and never race a forward.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from typing import Literal
 
 import anyio
 import torch
@@ -17,6 +19,8 @@ from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateRequest, PauseMod
 
 from .engine import EngineStatus, GenerateResult, ParamSpec
 from .model import KVCache, ModelConfig, TinyLM
+
+StaleDraftPolicy = Literal["keep", "disable"]
 
 
 class _Request:
@@ -28,8 +32,72 @@ class _Request:
         self.frozen = False
 
 
+class _Decode:
+    """Per-request decode state: the token list and how much of it each KV cache holds."""
+
+    __slots__ = ("tokens", "vpos", "dpos", "slot", "gen", "logprobs", "proposed", "accepted", "rounds", "produced")
+
+    def __init__(self, prompt: list[int], slot: int, gen: torch.Generator | None) -> None:
+        self.tokens = list(prompt)
+        self.vpos = 0  # verifier cache holds tokens[:vpos]
+        self.dpos = 0  # draft cache holds tokens[:dpos]
+        self.slot = slot
+        self.gen = gen
+        self.logprobs: list[float] = []
+        self.proposed = 0
+        self.accepted = 0
+        self.rounds = 0
+        self.produced = 0
+
+
+class _Part:
+    """One model (verifier or draft) with its KV cache and its sleep backups."""
+
+    def __init__(self, config: ModelConfig, slots: int) -> None:
+        self.config = config
+        self.model = TinyLM(config).eval()
+        self.model.requires_grad_(False)
+        self.kv = KVCache(config, slots)
+        self.specs = {n: ParamSpec(p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
+        self.backup: dict[str, torch.Tensor] = {}
+        self.saved_buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+
+    def sleep_weights(self, keep: bool) -> None:
+        """Release parameter storage; keep=True keeps a host-side backup (and the buffers)."""
+        if keep:
+            self.backup = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        else:
+            self.backup = {}
+        self.saved_buffers = {n: b.detach().to("cpu", copy=True) for n, b in self.model.named_buffers()}
+        for b in self.model.buffers():
+            b.data = torch.empty(0, dtype=b.dtype, device=b.device)
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.model.rotary.drop_tables()  # derived state goes with the weights
+
+    def wake_weights(self) -> bool:
+        """Reallocate parameters (from the backup when there is one); True if restored."""
+        restored = bool(self.backup)
+        params = dict(self.model.named_parameters())
+        for name, spec in self.specs.items():
+            params[name].data = self.backup[name] if restored else torch.zeros(spec.shape, dtype=spec.dtype)
+        buffers = dict(self.model.named_buffers())
+        for name, saved in self.saved_buffers.items():
+            buffers[name].data = saved
+        self.backup, self.saved_buffers = {}, {}
+        self.rebuild_derived()
+        return restored
+
+    def rebuild_derived(self) -> None:
+        self.model.rotary.rebuild()
+
+
 class ReferenceEngine:
-    """TinyLM with KV-cache slots, pause modes and sleep levels."""
+    """TinyLM with KV-cache slots, pause modes, sleep levels and optional speculation."""
 
     def __init__(
         self,
@@ -38,18 +106,30 @@ class ReferenceEngine:
         model_name: str = "tiny-lm",
         max_concurrency: int = 8,
         sleep_mode_enabled: bool = True,
+        draft_config: ModelConfig | None = None,
+        num_speculative_tokens: int = 4,
+        stale_draft_policy: StaleDraftPolicy = "keep",
+        draft_updates_supported: bool = True,
     ) -> None:
         self.config = config or ModelConfig()
         self.model_name = model_name
         self.sleep_mode_enabled = sleep_mode_enabled
-        self.has_draft_model = False
-        self.supports_draft_weight_updates = False
+        self.main = _Part(self.config, max_concurrency)
+        self.draft: _Part | None = None
+        if draft_config is not None:
+            if draft_config.vocab_size != self.config.vocab_size or draft_config.max_seq_len < self.config.max_seq_len:
+                raise ValueError("the draft must share the verifier's vocabulary and cover its max_seq_len")
+            self.draft = _Part(draft_config, max_concurrency)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.stale_draft_policy = stale_draft_policy
+        self._draft_updates_supported = draft_updates_supported
         self.weight_version = DEFAULT_VERSION
-        self.draft_version: str | None = None
+        self.draft_version: str | None = DEFAULT_VERSION if self.draft else None
         self.dirty = False
-        self.model = TinyLM(self.config).eval()
-        self.model.requires_grad_(False)
-        self.kv = KVCache(self.config, max_concurrency)
+        self.draft_stale = False
+        """The verifier was updated after the draft last was."""
+        self.spec_proposed = 0
+        self.spec_accepted = 0
         self._slots = list(range(max_concurrency))
         self._slot_free = anyio.Semaphore(max_concurrency)
         self._model_lock = anyio.Lock()
@@ -62,9 +142,29 @@ class ReferenceEngine:
         self._sleeping: set[SleepTag] = set()
         self._sleep_level = 0
         self._weights_loaded = True
-        self._backup: dict[str, torch.Tensor] = {}
-        self._saved_buffers: dict[str, torch.Tensor] = {}
-        self._specs = {n: ParamSpec(p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
+
+    # ---- identity ----------------------------------------------------------------------
+
+    @property
+    def model(self) -> TinyLM:
+        """The verifier (main) model."""
+        return self.main.model
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.draft is not None
+
+    @property
+    def speculation_enabled(self) -> bool:
+        return self.draft is not None and self.num_speculative_tokens > 0
+
+    @property
+    def supports_draft_weight_updates(self) -> bool:
+        return self._draft_updates_supported and self.speculation_enabled
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(s.shape) for s in self.main.specs.values())
 
     # ---- state -------------------------------------------------------------------------
 
@@ -76,9 +176,8 @@ class ReferenceEngine:
         while not predicate():
             await self._changed.wait()
 
-    @property
-    def num_params(self) -> int:
-        return sum(_numel(s.shape) for s in self._specs.values())
+    def _parts(self) -> list[_Part]:
+        return [self.main] + ([self.draft] if self.draft else [])
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -89,25 +188,23 @@ class ReferenceEngine:
             weights_loaded=self._weights_loaded,
             in_flight=len(self._running),
             waiting=self._waiting,
-            param_bytes=self._param_bytes(),
-            kv_cache_bytes=self.kv.nbytes,
+            param_bytes=sum(p.param_bytes for p in self._parts()),
+            kv_cache_bytes=sum(p.kv.nbytes for p in self._parts()),
         )
-
-    def _param_bytes(self) -> int:
-        return sum(p.untyped_storage().nbytes() for p in self.model.parameters())
 
     def _refuse_if_unservable(self) -> None:
         if self._sleeping:
             asleep = ", ".join(sorted(self._sleeping))
             raise FailedPrecondition(f"engine is asleep ({asleep}); call wake_up() before generating")
         if not self._weights_loaded:
-            raise FailedPrecondition(
-                "weights were discarded by a level-2 sleep; push new weights before generating"
-            )
+            raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
         if self.dirty:
-            raise FailedPrecondition(
-                "weights are half-updated after an aborted in-place update; push weights again"
-            )
+            raise FailedPrecondition("weights are half-updated after an aborted in-place update; push weights again")
+
+    def _speculating(self, request: GenerateRequest) -> bool:
+        if not self.speculation_enabled or request.temperature > 0:
+            return False  # greedy acceptance only: sampled requests decode plainly
+        return not (self.draft_stale and self.stale_draft_policy == "disable")
 
     # ---- generation --------------------------------------------------------------------
 
@@ -125,7 +222,7 @@ class ReferenceEngine:
                 f"prompt ({len(req.prompt_tokens)}) + max_tokens ({req.max_tokens}) exceeds "
                 f"the model's max_seq_len {cfg.max_seq_len}"
             )
-        if req.temperature < 0 or req.temperature != req.temperature:
+        if not req.temperature >= 0:
             raise InvalidArgument("temperature must be >= 0")
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -133,6 +230,7 @@ class ReferenceEngine:
         self._refuse_if_unservable()
         if self._paused:  # new requests wait for resume in every pause mode
             self._waiting += 1
+            self._notify()
             try:
                 await self._until(lambda: not self._paused)
             finally:
@@ -155,12 +253,9 @@ class ReferenceEngine:
         gen = None
         if request.temperature > 0:
             gen = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
-        out: list[int] = []
-        logprobs: list[float] = []
-        pos = 0
-        pending = list(request.prompt_tokens)
+        st = _Decode(request.prompt_tokens, slot, gen)
         finish = "length"
-        while len(out) < request.max_tokens:
+        while st.produced < request.max_tokens:
             if req.abort:
                 finish = "abort"
                 break
@@ -172,33 +267,74 @@ class ReferenceEngine:
                 continue
             async with self._model_lock:
                 self._refuse_if_unservable()
-                token, lp = await anyio.to_thread.run_sync(
-                    self._step, pending, slot, pos, request.temperature, gen
-                )
-            pos += len(pending)
-            pending = [token]
-            out.append(token)
-            logprobs.append(lp)
+                remaining = request.max_tokens - st.produced
+                if self._speculating(request) and remaining > 1:
+                    await anyio.to_thread.run_sync(self._spec_round, st, min(self.num_speculative_tokens, remaining - 1))
+                else:
+                    await anyio.to_thread.run_sync(self._plain_step, st, request.temperature)
+        out = st.tokens[len(request.prompt_tokens):][: request.max_tokens]
+        self.spec_proposed += st.proposed
+        self.spec_accepted += st.accepted
         return GenerateResult(
             tokens=out,
             finish_reason=finish,  # type: ignore[arg-type]
             weight_version=version,
-            draft_version=draft_version,
-            logprobs=logprobs if request.return_logprobs else None,
+            draft_version=draft_version if st.rounds else None,
+            logprobs=st.logprobs[: len(out)] if request.return_logprobs else None,
+            proposed=st.proposed,
+            accepted=st.accepted,
+            mean_accepted_length=st.accepted / st.rounds if st.rounds else 0.0,
         )
 
     @torch.inference_mode()
-    def _step(
-        self, tokens: list[int], slot: int, start: int, temperature: float, gen: torch.Generator | None
-    ) -> tuple[int, float]:
-        logits = self.model(torch.tensor(tokens, dtype=torch.long), self.kv, slot, start)[-1]
+    def _plain_step(self, st: _Decode, temperature: float) -> None:
+        m = self.main
+        logits = m.model(torch.tensor(st.tokens[st.vpos :], dtype=torch.long), m.kv, st.slot, st.vpos)[-1]
+        st.vpos = len(st.tokens)
+        logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
         if temperature > 0:
-            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-            token = int(torch.multinomial(logp.exp(), 1, generator=gen).item())
+            token = int(torch.multinomial(logp.exp(), 1, generator=st.gen).item())
         else:
-            logp = torch.log_softmax(logits.float(), dim=-1)
             token = int(torch.argmax(logits).item())
-        return token, float(logp[token].item())
+        st.tokens.append(token)
+        st.logprobs.append(float(logp[token].item()))
+        st.produced += 1
+
+    @torch.inference_mode()
+    def _spec_round(self, st: _Decode, k: int) -> None:
+        """Draft proposes k tokens; the verifier scores them in one forward; greedy acceptance
+        keeps the longest agreeing prefix plus the verifier's own next token, so the output
+        is exactly what the verifier alone would produce."""
+        d, m = self.draft, self.main
+        assert d is not None
+        n = len(st.tokens)
+        proposals: list[int] = []
+        feed, start = st.tokens[st.dpos :], st.dpos
+        for _ in range(k):
+            logits = d.model(torch.tensor(feed, dtype=torch.long), d.kv, st.slot, start)[-1]
+            start += len(feed)
+            tok = int(torch.argmax(logits).item())
+            proposals.append(tok)
+            feed = [tok]
+        draft_valid = start  # the draft cache holds tokens + proposals[:-1]
+        logits = m.model(torch.tensor(st.tokens[st.vpos :] + proposals, dtype=torch.long), m.kv, st.slot, st.vpos)
+        # logits row j predicts the token at absolute position st.vpos + j + 1
+        base = n - 1 - st.vpos
+        verdict = torch.argmax(logits[base:], dim=-1).tolist()  # k+1 verifier choices
+        logp = torch.log_softmax(logits[base:].float(), dim=-1)
+        accepted = 0
+        while accepted < k and proposals[accepted] == verdict[accepted]:
+            accepted += 1
+        new = proposals[:accepted] + [verdict[accepted]]
+        for j, tok in enumerate(new):
+            st.logprobs.append(float(logp[j, tok].item()))
+        st.tokens.extend(new)
+        st.produced += len(new)
+        st.vpos = n + accepted
+        st.dpos = min(draft_valid, n + accepted)
+        st.proposed += k
+        st.accepted += accepted
+        st.rounds += 1
 
     # ---- pause / resume ----------------------------------------------------------------
 
@@ -208,11 +344,12 @@ class ReferenceEngine:
         if self._paused and mode != "abort":
             return  # idempotent; a second abort still ends frozen requests
         self._paused = True
-        self._pause_mode = mode if self._pause_mode is None or mode == "abort" else self._pause_mode
         if mode == "abort":
             self._pause_mode = "abort"
             for r in self._running.values():
                 r.abort = True
+        elif self._pause_mode is None:
+            self._pause_mode = mode
         self._notify()
         if mode == "keep":
             await self._until(lambda: all(r.frozen for r in self._running.values()))
@@ -239,46 +376,31 @@ class ReferenceEngine:
             )
         async with self._model_lock:
             if "weights" in tags and "weights" not in self._sleeping:
-                self._sleep_weights(level)
+                # level 1 backs the verifier up to the host; level 2 discards it. The draft is
+                # always saved: nothing else would restore it, and a lost draft means no speedup.
+                self.main.sleep_weights(keep=level == 1)
+                if self.draft:
+                    self.draft.sleep_weights(keep=True)
+                if level == 2:
+                    self._weights_loaded = False
                 self._sleeping.add("weights")
             if "kv_cache" in tags and "kv_cache" not in self._sleeping:
-                self.kv.free()
+                for p in self._parts():
+                    p.kv.free()
                 self._sleeping.add("kv_cache")
             self._sleep_level = max(self._sleep_level, level) if self._sleeping else 0
         self._notify()
 
-    def _sleep_weights(self, level: int) -> None:
-        if level == 1:
-            # host-side backup (a no-op move on CPU, a pinned copy on GPU), then free the storage
-            self._backup = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
-        else:
-            self._backup = {}
-            self._saved_buffers = {n: b.detach().to("cpu", copy=True) for n, b in self.model.named_buffers()}
-            for _, b in self.model.named_buffers():
-                b.data = torch.empty(0, dtype=b.dtype, device=b.device)
-            self.model.rotary.drop_tables()
-            self._weights_loaded = False
-        for p in self.model.parameters():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
     async def wake_up(self, tags: list[SleepTag]) -> None:
         async with self._model_lock:
             if "weights" in tags and "weights" in self._sleeping:
-                params = dict(self.model.named_parameters())
-                for name, spec in self._specs.items():
-                    if self._backup:
-                        params[name].data = self._backup[name]
-                    else:
-                        params[name].data = torch.zeros(spec.shape, dtype=spec.dtype)
-                self._backup = {}
-                buffers = dict(self.model.named_buffers())
-                for name, saved in self._saved_buffers.items():
-                    buffers[name].data = saved
-                self._saved_buffers = {}
-                self.model.rotary.rebuild()
+                self.main.wake_weights()
+                if self.draft:
+                    self.draft.wake_weights()
                 self._sleeping.discard("weights")
             if "kv_cache" in tags and "kv_cache" in self._sleeping:
-                self.kv.allocate()
+                for p in self._parts():
+                    p.kv.allocate()
                 self._sleeping.discard("kv_cache")
             if not self._sleeping:
                 self._sleep_level = 0
@@ -286,31 +408,40 @@ class ReferenceEngine:
 
     # ---- weights -----------------------------------------------------------------------
 
-    def _module(self, target: UpdateTarget) -> torch.nn.Module:
+    def _part(self, target: UpdateTarget) -> _Part:
         if target == "draft":
-            raise FailedPrecondition("this engine has no draft model")
-        return self.model
+            if self.draft is None:
+                raise FailedPrecondition("this engine has no draft model")
+            if not self._draft_updates_supported:
+                raise FailedPrecondition("this engine's backend cannot update the draft model")
+            return self.draft
+        return self.main
 
     def param_specs(self, target: UpdateTarget) -> Mapping[str, ParamSpec]:
-        self._module(target)
-        return self._specs
+        return self._part(target).specs
 
     def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
-        return {n: p.data for n, p in self._module(target).named_parameters()}
+        return {n: p.data for n, p in self._part(target).model.named_parameters()}
 
     async def load_weights(
         self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
     ) -> None:
-        module = self._module(target)
+        part = self._part(target)
         async with self._model_lock:
             if "weights" in self._sleeping:
                 raise FailedPrecondition("weights are asleep; wake_up(tags=['weights']) before loading")
-            params = dict(module.named_parameters())
+            params = dict(part.model.named_parameters())
             for name, t in tensors.items():
                 params[name].data.copy_(t)
+            part.rebuild_derived()
             covered = set(tensors) | (written or set())
-            if target == "main" and covered >= set(self._specs):
-                self._weights_loaded = True
+            if target == "main":
+                if covered >= set(part.specs):
+                    self._weights_loaded = True
+                if covered and self.draft is not None:
+                    self.draft_stale = True
+            elif covered:
+                self.draft_stale = False
         self._notify()
 
 

@@ -124,6 +124,9 @@ class WorkerService:
             dirty=self.engine.dirty,
             session_id=self.updates.session_id,
             transfer_ready=self.updates.transfer_ready,
+            draft_stale=self.engine.draft_stale,
+            spec_proposed=self.engine.spec_proposed,
+            spec_accepted=self.engine.spec_accepted,
         )
 
     def ack(self) -> WorkerAck:
@@ -331,6 +334,7 @@ class WorkerService:
                     logprobs=r.logprobs,
                     proposed=r.proposed,
                     accepted=r.accepted,
+                    mean_accepted_length=r.mean_accepted_length,
                 )
             )
 
