@@ -275,7 +275,23 @@ class ControllerService:
                 raise FailedPrecondition(
                     f"workers {no_sleep} were started without sleep mode; restart them with --enable-sleep-mode"
                 )
-            ack = await self._all(cmd, f"sleep(level={cmd.level})")
+            # refuse before anything changes: a worker with requests in flight cannot sleep
+            status = await self._fan_out(GetStatus(), workers)
+            status.raise_for_failures("sleep (status check)")
+            busy = {w: st.in_flight for w, st in status.acks.items() if st.in_flight}
+            if busy:
+                raise FailedPrecondition(
+                    f"requests are in flight on {busy}; pause with mode='abort' or 'wait' before sleeping"
+                )
+            out = await self._fan_out(cmd, workers)
+            if not out.ok and out.acks and cmd.level == 1:
+                # all or nothing: wake the workers that did fall asleep
+                await self._fan_out(WakeUp(tags=cmd.tags), list(out.acks))
+            out.raise_for_failures(f"sleep(level={cmd.level})")
+            if cmd.tags is None or "weights" in cmd.tags:
+                self._advance(S.SleepWeights())
+                await self._set_session(S.Idle())
+            ack = self._fleet(out)
         await self._event("sleeping", [w.worker_id for w in ack.workers], f"level {cmd.level}")
         return ack
 

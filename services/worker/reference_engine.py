@@ -228,15 +228,9 @@ class ReferenceEngine:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._check_request(request)
         self._refuse_if_unservable()
-        if self._paused:  # new requests wait for resume in every pause mode
-            self._waiting += 1
-            self._notify()
-            try:
-                await self._until(lambda: not self._paused)
-            finally:
-                self._waiting -= 1
-            self._refuse_if_unservable()
+        await self._wait_for_resume()
         async with self._slot_free:
+            await self._wait_for_resume()  # a pause may have begun while we queued for a slot
             slot = self._slots.pop()
             req = _Request(next(self._ids))
             self._running[req.id] = req
@@ -247,6 +241,19 @@ class ReferenceEngine:
                 del self._running[req.id]
                 self._slots.append(slot)
                 self._notify()
+
+    async def _wait_for_resume(self) -> None:
+        """New requests wait for resume in every pause mode."""
+        if not self._paused:
+            return
+        self._waiting += 1
+        self._notify()
+        try:
+            await self._until(lambda: not self._paused)
+        finally:
+            self._waiting -= 1
+            self._notify()
+        self._refuse_if_unservable()
 
     async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateResult:
         version, draft_version = self.weight_version, self.draft_version
