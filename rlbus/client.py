@@ -211,9 +211,14 @@ class RLClient:
         info = await self.server_info()
         fleet_backend = info.capabilities.weight_transfer_backend
         chosen = backend or fleet_backend
-        if chosen is None:
-            backends = {w.worker_id: w.capabilities.weight_transfer_backend for w in info.workers}
-            raise FailedPrecondition(f"workers have no common weight transfer backend: {backends}")
+        backends = {w.worker_id: w.capabilities.weight_transfer_backend for w in info.workers}
+        if not info.workers:
+            raise Unavailable("no workers are registered")
+        if chosen is None or any(b != chosen for b in backends.values()):
+            # refuse here, before a rendezvous thread would wait for ranks that never come
+            raise FailedPrecondition(f"workers have no common weight transfer backend {chosen or ''}: {backends}")
+        if info.session_id:
+            raise FailedPrecondition(f"session {info.session_id} is open; finish or abort it first")
         self._close_transfer()
         tx = trainer_transfer(chosen)
         init = tx.bind(
