@@ -25,8 +25,11 @@ def _url(url: str | None) -> str:
 
 
 def _logging(verbose: bool) -> None:
+    import os
+
+    level = logging.DEBUG if verbose else getattr(logging, os.environ.get("RLBUS_LOG_LEVEL", "INFO").upper(), logging.INFO)
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=level,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
@@ -161,6 +164,35 @@ def worker(
         return WorkerService(nc, engine, opts)
 
     anyio.run(serve, _url(nats_url), f"rlbus-worker-{wid}", make)
+
+
+@main.command()
+@click.option("--workers", "-n", default=2, show_default=True)
+@click.option("--steps", default=30, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="rlbus-out/demo", show_default=True, help="Folder for log.json and plot.png.")
+@url_option
+@click.option("--draft/--no-draft", default=True, show_default=True, help="Speculative decoding with a distilled draft.")
+@click.option("--backend", type=click.Choice(["gloo", "shm"]), default="gloo", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--max-staleness", default=1, show_default=True, help="Drop rollouts more than this many versions old (0 = on-policy).")
+@click.option("--async-rollouts/--sync-rollouts", default=True, show_default=True,
+              help="Generate the next batch while training (rollouts one version old).")
+def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, backend: str, seed: int,
+         max_staleness: int, async_rollouts: bool) -> None:
+    """The main job: a real RL loop. Workers generate rollouts, the trainer learns by
+    policy gradient and pushes weights (and a distilled draft) every step."""
+    from pathlib import Path
+
+    from rlbus.demo.run import run_demo
+
+    _logging(False)
+    logging.getLogger().setLevel(logging.WARNING)
+    try:
+        run_demo(workers=workers, steps=steps, out=Path(out), nats_url=nats_url, draft=draft, backend=backend,
+                 seed=seed, max_staleness=max_staleness, async_rollouts=async_rollouts)
+    except KeyboardInterrupt:
+        click.echo("rlbus demo: interrupted; fleet stopped", err=True)
+        sys.exit(130)
 
 
 # ---- trainer-side commands ----------------------------------------------------------------

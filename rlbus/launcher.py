@@ -18,7 +18,11 @@ from rlbus.natsserver import NatsServer
 class Fleet:
     """Child processes of one fleet; stop() always reaps them (SIGTERM -> wait -> SIGKILL)."""
 
-    def __init__(self, url: str, workers: int, worker_args: Sequence[str] = (), controller_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, url: str, workers: int, worker_args: Sequence[str] = (), controller_args: Sequence[str] = (),
+        log_level: str | None = None,
+    ) -> None:
+        self.log_level = log_level
         self.url = url
         self.n_workers = workers
         self.worker_args = list(worker_args)
@@ -27,6 +31,8 @@ class Fleet:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = dict(os.environ, RLBUS_NATS_URL=self.url, PYTHONUNBUFFERED="1")
+        if self.log_level:
+            env["RLBUS_LOG_LEVEL"] = self.log_level
         # own session: a terminal's Ctrl-C reaches only `rlbus up`, which stops children in order
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "rlbus", *args], env=env, start_new_session=True)
 

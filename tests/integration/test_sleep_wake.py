@@ -139,9 +139,11 @@ async def test_sleep_while_requests_are_frozen_in_keep_mode_is_refused_and_chang
     task = asyncio.create_task(rl.generate([1, 2, 3], 200, timeout=30.0))
     await eventually(lambda: sum(w.state().in_flight for w in f.workers.values()) == 1, what="request decoding")
     await rl.pause("keep")
+    busy = next(w for w, svc in f.workers.items() if svc.state().in_flight)
 
-    with pytest.raises(rlbus.FailedPrecondition):
+    with pytest.raises(rlbus.FailedPrecondition) as err:
         await rl.sleep(level=1)
+    assert busy in err.value.message
 
     # nothing changed on ANY worker: still paused, weights and cache resident, request frozen
     states = [w.state() for w in f.workers.values()]

@@ -1,0 +1,204 @@
+"""`rlbus up` as a real process tree: embedded nats-server, a controller and two workers.
+
+One `up` per module (every child imports torch, ~3 s each). The SIGTERM test stops it,
+so it is the last test of the module.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlbus.client import RLClient
+
+READY_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+WORKERS = ["worker-0", "worker-1"]
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[str]
+    url: str
+    children: dict[int, str]
+    """pid -> command line of every child `up` started (controller, workers, nats-server)."""
+    stderr: Path
+
+    def log(self) -> str:
+        return self.stderr.read_text(errors="replace")[-4000:]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RLBUS_NATS_URL", None)  # `up` must start its own embedded server
+    return env
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Direct children of `pid`, read from /proc."""
+    out: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has exited; it only waits to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _rlbus(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlbus", *args], capture_output=True, text=True, timeout=timeout, env=_env()
+    )
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[Up]:
+    fd, name = tempfile.mkstemp(prefix="rlbus-up-", suffix=".log")
+    os.close(fd)
+    stderr = Path(name)
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlbus", "up", "--workers", "2"],
+            stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        url = _wait_for_url(proc, lines, stderr)
+        children = _children(proc.pid)
+        yield Up(proc, url, children, stderr)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        stderr.unlink(missing_ok=True)
+
+
+def _wait_for_url(proc: subprocess.Popen[str], lines: queue.Queue[str | None], stderr: Path) -> str:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"`rlbus up` printed no NATS_URL within {READY_TIMEOUT_S:g}s:\n{stderr.read_text()[-4000:]}")
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            continue
+        if line is None:
+            proc.wait(5)
+            pytest.fail(f"`rlbus up` exited ({proc.returncode}) before it was ready:\n{stderr.read_text()[-4000:]}")
+        if line.startswith("NATS_URL="):
+            return line.strip().split("=", 1)[1]
+
+
+async def test_up_prints_the_url_once_every_worker_is_registered(up):
+    assert up.url.startswith("nats://127.0.0.1:")
+    async with await RLClient.connect(up.url, timeout=10.0) as rl:
+        info = await rl.server_info()
+    assert [w.worker_id for w in info.workers] == WORKERS
+    assert info.capabilities.weight_transfer_backend == "gloo"  # `up`'s default reaches the workers
+    assert info.capabilities.sleep_mode_enabled
+
+
+def test_up_runs_the_server_the_controller_and_each_worker_as_children(up):
+    commands = list(up.children.values())
+    assert len(up.children) == 4, commands
+    assert sum("nats-server" in c for c in commands) == 1
+    assert sum(" controller " in f" {c} " for c in commands) == 1
+    assert all(sum(f"--id {w}" in c for c in commands) == 1 for w in WORKERS)
+
+
+def test_status_command_lists_both_workers(up):
+    result = _rlbus("status", "--nats-url", up.url)
+    assert result.returncode == 0, result.stderr
+    assert all(w in result.stdout for w in WORKERS), result.stdout
+    assert "backend=gloo" in result.stdout
+
+
+async def test_client_pauses_resumes_and_generates_against_up(up):
+    async with await RLClient.connect(up.url, timeout=20.0) as rl:
+        paused = await rl.pause(mode="wait")
+        assert [w.worker_id for w in paused.workers] == WORKERS
+        assert all(w.paused and w.pause_mode == "wait" for w in paused.workers)
+        assert await rl.is_paused()
+
+        resumed = await rl.resume()
+        assert not any(w.paused for w in resumed.workers)
+        assert not await rl.is_paused()
+
+        reply = await rl.generate([1, 2, 3], 8)
+        assert reply.finish_reason == "length" and len(reply.tokens) == 8 and reply.worker_id in WORKERS
+
+
+async def test_pause_and_resume_commands_change_the_fleet_state(up):
+    paused = _rlbus("pause", "--mode", "keep", "--nats-url", up.url)
+    assert paused.returncode == 0, paused.stderr
+    assert all(f"{w}: paused=True(keep)" in paused.stdout for w in WORKERS), paused.stdout
+    async with await RLClient.connect(up.url, timeout=10.0) as rl:
+        assert await rl.is_paused()
+
+        resumed = _rlbus("resume", "--nats-url", up.url)
+        assert resumed.returncode == 0, resumed.stderr
+        assert all(f"{w}: paused=False" in resumed.stdout for w in WORKERS), resumed.stdout
+        assert not await rl.is_paused()
+
+
+def test_a_command_with_no_controller_exits_nonzero_naming_unavailable(nats_server):
+    # the session's server runs no controller under the default prefix
+    result = _rlbus("status", "--nats-url", nats_server.url)
+    assert result.returncode != 0
+    assert "UNAVAILABLE" in result.stderr
+
+
+def test_sigterm_stops_up_and_every_child_and_exits_0(up):
+    # keep last: this stops the module's fleet
+    assert up.proc.poll() is None, up.log()
+    assert all(_alive(pid) for pid in up.children), up.children
+
+    up.proc.send_signal(signal.SIGTERM)
+    try:
+        code = up.proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`rlbus up` still running {STOP_TIMEOUT_S:g}s after SIGTERM:\n{up.log()}")
+
+    assert code == 0, up.log()
+    left = {pid: cmd for pid, cmd in up.children.items() if _alive(pid)}
+    assert not left, f"children left running: {left}"
+    assert "rlbus up: stopped" in up.log()
+

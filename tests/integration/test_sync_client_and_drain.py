@@ -1,0 +1,132 @@
+"""SyncRLClient from a plain thread, and graceful stops that still answer what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import rlbus
+from rlbus.client import SyncRLClient
+from rlbus.schemas import FleetAck, GenerateReply
+from rlbus.services.worker.model import ModelConfig
+from tests.fleet import start_fleet
+from tests.waiting import eventually
+
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_server, prefix):
+    fleet, rl = await start_fleet(nats_server.url, prefix, model=MODEL)
+    yield fleet, rl
+    await rl.close()
+    await fleet.close()
+
+
+@pytest.fixture
+async def sync_client(fleet, nats_server, prefix):
+    # the fleet's services run on this test's loop, so the blocking client is driven from a thread
+    client = await asyncio.to_thread(SyncRLClient, nats_server.url, prefix=prefix, timeout=10.0)
+    yield client
+    await asyncio.to_thread(client.close)
+
+
+async def test_sync_client_reads_server_info_pauses_resumes_and_generates(sync_client):
+    info = await asyncio.to_thread(sync_client.server_info)
+    assert [w.worker_id for w in info.workers] == ["w0", "w1"]
+
+    paused = await asyncio.to_thread(sync_client.pause, "wait")
+    assert isinstance(paused, FleetAck) and all(w.paused and w.pause_mode == "wait" for w in paused.workers)
+    assert await asyncio.to_thread(sync_client.is_paused)
+
+    resumed = await asyncio.to_thread(sync_client.resume)
+    assert not any(w.paused for w in resumed.workers)
+    assert not await asyncio.to_thread(sync_client.is_paused)
+
+    reply = await asyncio.to_thread(sync_client.generate, [1, 2, 3], 6)
+    assert isinstance(reply, GenerateReply) and len(reply.tokens) == 6 and reply.finish_reason == "length"
+
+
+async def test_sync_client_raises_the_typed_error_of_a_refusal(sync_client):
+    with pytest.raises(rlbus.InvalidArgument) as err:
+        await asyncio.to_thread(sync_client.generate, [1, 2, 3], 0)
+    assert err.value.code == "INVALID_ARGUMENT"
+
+
+async def test_sync_client_without_a_url_raises_unavailable_and_leaves_no_thread(monkeypatch):
+    monkeypatch.delenv("RLBUS_NATS_URL", raising=False)
+
+    def foreign_threads() -> set[threading.Thread]:
+        # asyncio.to_thread's own pool may grow by a thread; any other new thread is the portal's
+        return {t for t in threading.enumerate() if not t.name.startswith("asyncio_")}
+
+    before = foreign_threads()
+
+    with pytest.raises(rlbus.Unavailable):
+        await asyncio.to_thread(SyncRLClient, None)
+
+    await eventually(lambda: foreign_threads() <= before, timeout=5, what="portal thread gone")
+
+
+async def test_sync_client_close_closes_its_connection(nats_server, prefix, fleet):
+    client = await asyncio.to_thread(SyncRLClient, nats_server.url, prefix=prefix)
+    nc = client.nc
+    await asyncio.to_thread(client.close)
+    await eventually(lambda: nc.is_closed, timeout=5, what="connection closed")
+
+
+# ---- graceful stop -----------------------------------------------------------------------
+
+
+async def test_graceful_stop_lets_an_in_flight_request_finish_and_reply(nats_server, prefix):
+    f, rl = await start_fleet(nats_server.url, prefix + "-drain", ["d0"], model=MODEL)
+    try:
+        task = asyncio.create_task(rl.generate([1, 2, 3], 200, timeout=20.0))
+        await eventually(lambda: f.workers["d0"].state().in_flight == 1, what="request decoding")
+
+        await f.stop(f.workers["d0"])
+
+        reply = await asyncio.wait_for(task, 5)
+        assert reply.worker_id == "d0"
+        assert reply.finish_reason == "length" and len(reply.tokens) == 200
+    finally:
+        await rl.close()
+        await f.close()
+
+
+async def test_graceful_stop_aborts_a_frozen_request_after_the_drain_timeout_and_still_replies(nats_server, prefix):
+    f, rl = await start_fleet(nats_server.url, prefix + "-frozen", ["d1"], model=MODEL, drain_timeout_s=0.3)
+    try:
+        task = asyncio.create_task(rl.generate([1, 2, 3], 200, timeout=20.0))
+        await eventually(lambda: f.workers["d1"].state().in_flight == 1, what="request decoding")
+        await rl.pause("keep")
+
+        await f.stop(f.workers["d1"])
+
+        reply = await asyncio.wait_for(task, 5)
+        assert reply.worker_id == "d1"
+        assert reply.finish_reason == "abort" and len(reply.tokens) < 200
+    finally:
+        await rl.close()
+        await f.close()
+
+
+async def test_graceful_stop_of_the_controller_answers_a_pause_in_flight(nats_server, prefix):
+    f, rl = await start_fleet(nats_server.url, prefix + "-ctl", ["d2"], model=MODEL)
+    try:
+        generation = asyncio.create_task(rl.generate([1, 2, 3], 200, timeout=20.0))
+        await eventually(lambda: f.workers["d2"].state().in_flight == 1, what="request decoding")
+        pausing = asyncio.create_task(rl.pause("wait"))
+        await eventually(lambda: f.workers["d2"].state().paused, what="worker pausing")
+        assert f.controller is not None
+
+        await f.stop(f.controller)
+
+        ack = await asyncio.wait_for(pausing, 5)
+        assert [w.worker_id for w in ack.workers] == ["d2"] and ack.workers[0].in_flight == 0
+        assert (await asyncio.wait_for(generation, 5)).finish_reason == "length"
+    finally:
+        await rl.close()
+        await f.close()

@@ -1,0 +1,316 @@
+"""The reference engine alone, no NATS: generation, pause modes, sleep levels and tags."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from rlbus.errors import FailedPrecondition, InvalidArgument
+from rlbus.schemas import GenerateRequest
+from rlbus.services.worker.engine import GenerateResult
+from rlbus.services.worker.model import ModelConfig
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from tests.waiting import eventually
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=0)
+LONG = 100
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def request(prompt: list[int] = PROMPTS[0], max_tokens: int = 8, **kw: object) -> GenerateRequest:
+    return GenerateRequest(prompt_tokens=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+
+
+def start(engine: ReferenceEngine, prompts=PROMPTS, max_tokens: int = LONG) -> list[asyncio.Task[GenerateResult]]:  # noqa: ANN001
+    return [asyncio.create_task(engine.generate(request(p, max_tokens))) for p in prompts]
+
+
+async def running(engine: ReferenceEngine, n: int = len(PROMPTS)) -> None:
+    await eventually(lambda: engine.status().in_flight == n, what=f"{n} requests running")
+
+
+async def tokens_of(engine: ReferenceEngine, max_tokens: int = 12) -> list[list[int]]:
+    return [(await engine.generate(request(p, max_tokens))).tokens for p in PROMPTS]
+
+
+@pytest.fixture
+def engine() -> ReferenceEngine:
+    return ReferenceEngine(CFG)
+
+
+# ---- generation --------------------------------------------------------------------------
+
+
+async def test_greedy_generation_is_deterministic_across_engines_with_the_same_seed(engine):
+    first = await engine.generate(request(max_tokens=10))
+    assert first.finish_reason == "length" and len(first.tokens) == 10
+    assert all(0 <= t < CFG.vocab_size for t in first.tokens)
+    assert first.weight_version == "default" and first.logprobs is None
+    assert (await engine.generate(request(max_tokens=10))).tokens == first.tokens
+    assert (await ReferenceEngine(CFG).generate(request(max_tokens=10))).tokens == first.tokens
+
+
+async def test_engines_with_different_seeds_generate_differently(engine):
+    other = ReferenceEngine(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=1))
+    assert await tokens_of(engine) != await tokens_of(other)
+
+
+async def test_sampling_with_the_same_seed_repeats_and_returns_logprobs(engine):
+    req = request(max_tokens=16, temperature=1.0, seed=7, return_logprobs=True)
+    a, b = await engine.generate(req), await engine.generate(req)
+    assert a.tokens == b.tokens
+    assert a.logprobs is not None and len(a.logprobs) == 16 and all(lp <= 0 for lp in a.logprobs)
+
+
+async def test_concurrent_requests_give_the_same_tokens_as_sequential_ones(engine):
+    sequential = await tokens_of(engine, 40)
+    concurrent = await asyncio.gather(*start(engine, max_tokens=40))
+    assert [r.tokens for r in concurrent] == sequential
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        request(prompt=[]),
+        request(prompt=[1, 64]),
+        request(prompt=[-1]),
+        request(max_tokens=0),
+        request(prompt=[1] * 200, max_tokens=57),
+        request(temperature=-0.5),
+        request(temperature=math.nan),
+    ],
+    ids=["empty-prompt", "token-past-vocab", "negative-token", "zero-max-tokens", "past-max-seq-len", "negative-temperature", "nan-temperature"],
+)
+async def test_an_invalid_request_is_refused_with_invalid_argument(engine, bad):
+    with pytest.raises(InvalidArgument):
+        await engine.generate(bad)
+    assert engine.status().in_flight == 0
+
+
+# ---- pause -------------------------------------------------------------------------------
+
+
+async def test_unknown_pause_mode_is_refused_with_invalid_argument(engine):
+    with pytest.raises(InvalidArgument):
+        await engine.pause("sideways")  # type: ignore[arg-type]
+    assert not engine.status().paused
+
+
+async def test_pause_abort_ends_running_requests_with_abort(engine):
+    tasks = start(engine)
+    await running(engine)
+
+    await engine.pause("abort")
+
+    assert engine.status().in_flight == 0
+    assert all(t.done() for t in tasks), "pause(abort) returns once the requests have ended"
+    results = [t.result() for t in tasks]
+    assert all(r.finish_reason == "abort" and len(r.tokens) < LONG for r in results)
+
+
+async def test_pause_wait_returns_after_running_requests_finish(engine):
+    tasks = start(engine)
+    await running(engine)
+
+    await engine.pause("wait")
+
+    assert all(t.done() for t in tasks)
+    assert all(t.result().finish_reason == "length" and len(t.result().tokens) == LONG for t in tasks)
+    s = engine.status()
+    assert s.paused and s.pause_mode == "wait" and s.in_flight == 0
+
+
+async def test_pause_keep_freezes_requests_and_resume_continues_them_with_identical_tokens(engine):
+    reference = await tokens_of(engine, LONG)
+    tasks = start(engine)
+    await running(engine)
+
+    await engine.pause("keep")
+    assert engine.status().in_flight == len(PROMPTS) and not any(t.done() for t in tasks)
+    await engine.pause("keep")  # idempotent: returns at once, requests stay frozen
+    assert not any(t.done() for t in tasks)
+
+    await engine.resume()
+    results = await asyncio.gather(*tasks)
+    assert [r.tokens for r in results] == reference
+    assert all(r.finish_reason == "length" for r in results)
+
+
+async def test_pause_abort_ends_requests_frozen_by_keep(engine):
+    tasks = start(engine)
+    await running(engine)
+    await engine.pause("keep")
+
+    await engine.pause("abort")
+
+    assert engine.status().pause_mode == "abort"
+    results = await asyncio.gather(*tasks)
+    assert all(r.finish_reason == "abort" for r in results)
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+async def test_requests_arriving_while_paused_wait_for_resume(engine, mode):
+    await engine.pause(mode)
+    tasks = start(engine, max_tokens=4)
+    await eventually(lambda: engine.status().waiting == len(PROMPTS), what="requests queued")
+    assert engine.status().in_flight == 0 and not any(t.done() for t in tasks)
+
+    await engine.resume()
+
+    results = await asyncio.gather(*tasks)
+    assert all(r.finish_reason == "length" and len(r.tokens) == 4 for r in results)
+    assert engine.status().waiting == 0
+
+
+async def test_a_request_queued_for_a_free_slot_does_not_start_while_paused():
+    engine = ReferenceEngine(CFG, max_concurrency=1)
+    first, queued = start(engine, PROMPTS[:2])
+    await running(engine, 1)
+
+    await engine.pause("abort")
+    assert (await first).finish_reason == "abort"
+
+    # the second request only got its slot after the pause began: it must wait for resume
+    await eventually(lambda: queued.done() or engine.status().waiting == 1, what="queued request settled")
+    if queued.done():
+        r = queued.result()
+        pytest.fail(f"the queued request ran while paused: {r.finish_reason}, {len(r.tokens)} tokens")
+    assert engine.status().in_flight == 0
+    await engine.resume()
+    assert (await queued).finish_reason == "length"
+
+
+async def test_pause_and_resume_are_idempotent(engine):
+    await engine.resume()  # resume when not paused is a no-op
+    assert not engine.status().paused
+    await engine.pause("wait")
+    await engine.pause("wait")
+    assert engine.status().paused and engine.status().pause_mode == "wait"
+    await engine.resume()
+    await engine.resume()
+    s = engine.status()
+    assert not s.paused and s.pause_mode is None
+    assert len((await engine.generate(request())).tokens) == 8
+
+
+# ---- sleep -------------------------------------------------------------------------------
+
+
+async def test_sleep_level_1_frees_weights_and_cache_and_wake_restores_identical_output(engine):
+    before = await tokens_of(engine)
+    awake = engine.status()
+    assert awake.param_bytes > 0 and awake.kv_cache_bytes > 0
+
+    await engine.sleep(1, ["weights", "kv_cache"])
+    s = engine.status()
+    assert s.param_bytes == 0 and s.kv_cache_bytes == 0
+    assert s.sleeping_tags == ["weights", "kv_cache"] and s.sleep_level == 1 and s.weights_loaded
+
+    await engine.wake_up(["weights", "kv_cache"])
+    s = engine.status()
+    assert (s.param_bytes, s.kv_cache_bytes) == (awake.param_bytes, awake.kv_cache_bytes)
+    assert s.sleeping_tags == [] and s.sleep_level == 0
+    assert await tokens_of(engine) == before
+
+
+async def test_sleep_level_2_discards_weights_and_generation_is_refused_until_weights_arrive(engine):
+    before = await tokens_of(engine)
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+    await engine.sleep(2, ["weights", "kv_cache"])
+    assert engine.status().param_bytes == 0 and not engine.status().weights_loaded
+    await engine.wake_up(["weights", "kv_cache"])
+
+    s = engine.status()
+    assert not s.sleeping_tags and not s.weights_loaded and s.param_bytes > 0
+    with pytest.raises(FailedPrecondition):
+        await engine.generate(request())
+
+    await engine.load_weights("main", weights)
+    assert engine.status().weights_loaded
+    assert await tokens_of(engine) == before
+
+
+async def test_sleeping_only_the_kv_cache_keeps_weights_resident(engine):
+    params = engine.status().param_bytes
+    await engine.sleep(1, ["kv_cache"])
+    s = engine.status()
+    assert s.kv_cache_bytes == 0 and s.param_bytes == params and s.sleeping_tags == ["kv_cache"]
+
+
+async def test_waking_only_the_weights_leaves_the_cache_asleep(engine):
+    await engine.sleep(1, ["weights", "kv_cache"])
+    await engine.wake_up(["weights"])
+    s = engine.status()
+    assert s.sleeping_tags == ["kv_cache"] and s.param_bytes > 0 and s.kv_cache_bytes == 0 and s.sleep_level == 1
+    with pytest.raises(FailedPrecondition):
+        await engine.generate(request())
+    await engine.wake_up(["kv_cache"])
+    assert engine.status().sleeping_tags == [] and engine.status().sleep_level == 0
+
+
+async def test_sleep_and_wake_are_idempotent(engine):
+    before = await tokens_of(engine)
+    await engine.sleep(1, ["weights", "kv_cache"])
+    await engine.sleep(1, ["weights", "kv_cache"])  # a second sleep must not back up the freed storage
+    await engine.wake_up(["weights", "kv_cache"])
+    await engine.wake_up(["weights", "kv_cache"])
+    assert engine.status().sleeping_tags == []
+    assert await tokens_of(engine) == before
+
+
+@pytest.mark.parametrize("tags", [["weights", "kv_cache"], ["weights"], ["kv_cache"]])
+async def test_generation_while_asleep_is_refused_with_failed_precondition(engine, tags):
+    await engine.sleep(1, tags)
+    with pytest.raises(FailedPrecondition, match="asleep"):
+        await engine.generate(request())
+    assert engine.status().in_flight == 0
+
+
+async def test_sleep_is_refused_while_requests_are_in_flight(engine):
+    tasks = start(engine)
+    await running(engine)
+    await engine.pause("keep")
+
+    with pytest.raises(FailedPrecondition):
+        await engine.sleep(1, ["weights", "kv_cache"])
+
+    s = engine.status()
+    assert s.sleeping_tags == [] and s.param_bytes > 0 and s.kv_cache_bytes > 0 and s.paused
+    await engine.resume()
+    assert all(r.finish_reason == "length" for r in await asyncio.gather(*tasks))
+
+
+async def test_sleep_is_refused_when_sleep_mode_is_off():
+    engine = ReferenceEngine(CFG, sleep_mode_enabled=False)
+    with pytest.raises(FailedPrecondition):
+        await engine.sleep(1, ["weights", "kv_cache"])
+    assert engine.status().param_bytes > 0
+
+
+async def test_sleep_level_other_than_1_or_2_is_refused_with_invalid_argument(engine):
+    with pytest.raises(InvalidArgument):
+        await engine.sleep(3, ["weights"])
+    assert engine.status().sleeping_tags == []
+
+
+async def test_a_request_queued_behind_a_pause_is_refused_if_the_engine_fell_asleep(engine):
+    await engine.pause("wait")
+    task = asyncio.create_task(engine.generate(request()))
+    await eventually(lambda: engine.status().waiting == 1, what="request queued")
+    await engine.sleep(1, ["weights", "kv_cache"])
+
+    await engine.resume()
+
+    with pytest.raises(FailedPrecondition):
+        await task
+
+
+async def test_loading_weights_while_they_sleep_is_refused(engine):
+    weights = {n: torch.zeros_like(p) for n, p in engine.model.named_parameters()}
+    await engine.sleep(1, ["weights"])
+    with pytest.raises(FailedPrecondition):
+        await engine.load_weights("main", weights)
