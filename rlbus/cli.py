@@ -177,8 +177,10 @@ def worker(
 @click.option("--max-staleness", default=1, show_default=True, help="Drop rollouts more than this many versions old (0 = on-policy).")
 @click.option("--async-rollouts/--sync-rollouts", default=True, show_default=True,
               help="Generate the next batch while training (rollouts one version old).")
+@click.option("--spawn/--no-spawn", default=True, show_default=True,
+              help="Start the controller and workers; --no-spawn uses ones already running (compose).")
 def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, backend: str, seed: int,
-         max_staleness: int, async_rollouts: bool) -> None:
+         max_staleness: int, async_rollouts: bool, spawn: bool) -> None:
     """The main job: a real RL loop. Workers generate rollouts, the trainer learns by
     policy gradient and pushes weights (and a distilled draft) every step."""
     from pathlib import Path
@@ -189,7 +191,7 @@ def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, 
     logging.getLogger().setLevel(logging.WARNING)
     try:
         run_demo(workers=workers, steps=steps, out=Path(out), nats_url=nats_url, draft=draft, backend=backend,
-                 seed=seed, max_staleness=max_staleness, async_rollouts=async_rollouts)
+                 seed=seed, max_staleness=max_staleness, async_rollouts=async_rollouts, spawn=spawn)
     except KeyboardInterrupt:
         click.echo("rlbus demo: interrupted; fleet stopped", err=True)
         sys.exit(130)

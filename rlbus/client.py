@@ -199,12 +199,16 @@ class RLClient:
         self._tx = self._init = None
 
     async def init_weight_transfer(
-        self, backend: Backend | None = None, *, master_addr: str = "127.0.0.1", timeout_s: float = 60.0
+        self, backend: Backend | None = None, *, master_addr: str | None = None, timeout_s: float = 60.0
     ) -> FleetAck:
         """Open the trainer's side of a transfer group (rank 0) while every worker joins it.
 
-        backend: None = the backend every worker reports. Collectives time out after timeout_s.
+        backend: None = the backend every worker reports. master_addr: this host as workers
+        reach it (default $RLBUS_MASTER_ADDR or 127.0.0.1). Collectives time out after timeout_s.
         """
+        import os
+
+        master_addr = master_addr or os.environ.get("RLBUS_MASTER_ADDR", "127.0.0.1")
         from rlbus.transfer.base import TransferError
         from rlbus.transfer.factory import trainer_transfer
 

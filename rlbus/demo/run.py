@@ -35,7 +35,7 @@ def draft_config(model: ModelConfig) -> ModelConfig:
 
 def run_demo(
     *, workers: int, steps: int, out: Path, nats_url: str | None, draft: bool, backend: str, seed: int,
-    max_staleness: int, async_rollouts: bool,
+    max_staleness: int, async_rollouts: bool, spawn: bool = True,
 ) -> list[StepLog]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -53,8 +53,11 @@ def run_demo(
     logs: list[StepLog] = []
     t0 = time.monotonic()
     try:
-        console.print(f"[bold]rlbus demo[/]: NATS {url}{' (embedded)' if server else ''}; starting controller + {workers} workers")
-        fleet.start()
+        if spawn:
+            console.print(f"[bold]rlbus demo[/]: NATS {url}{' (embedded)' if server else ''}; starting controller + {workers} workers")
+            fleet.start()
+        else:
+            console.print(f"[bold]rlbus demo[/]: NATS {url}; waiting for a running controller and {workers} workers")
 
         async def main() -> None:
             rl = await fleet.wait_ready()

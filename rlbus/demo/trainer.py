@@ -128,7 +128,7 @@ class Trainer:
         total.backward()
         self.opt.step()
         self._distill(teacher, prompts)
-        return float(total)
+        return float(total.detach())
 
     def _distill(self, teacher: list[tuple[torch.Tensor, torch.Tensor]], prompts: list[list[int]]) -> None:
         """Keep the draft close to the policy: forward KL to the policy's next-token distribution."""
@@ -196,16 +196,18 @@ class Trainer:
             version = f"step-{step}"
             t = time.monotonic()
             await self.rl.push_weights(self.policy.named_parameters(), version=version)
+            pushed = nbytes
             if self.draft is not None and step % self.cfg.draft_every == 0:
                 await self.rl.push_weights(self.draft.named_parameters(), version=f"draft-{step}", draft=True)
                 self.draft_version = f"draft-{step}"
+                pushed += sum(p.numel() * p.element_size() for p in self.draft.parameters())
             sync_s = time.monotonic() - t
             eval_reward, acceptance = await self._evaluate()
             log = StepLog(
                 step=step, version=version,
                 reward=sum(self.cfg.task.reward(r.tokens) for r in replies) / len(replies),
                 eval_reward=eval_reward, kept=len(fresh), dropped=len(dropped), regenerated=regenerated,
-                sync_s=sync_s, bytes_pushed=nbytes, acceptance=acceptance, draft_version=self.draft_version,
+                sync_s=sync_s, bytes_pushed=pushed, acceptance=acceptance, draft_version=self.draft_version,
                 loss=loss, time_s=time.monotonic() - t0,
             )
             self.logs.append(log)
