@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from rlbus.children import spawn
 from rlbus.client import RLClient
 from rlbus.errors import DeadlineExceeded
 from rlbus.natsserver import NatsServer
@@ -33,8 +34,7 @@ class Fleet:
         env = dict(os.environ, RLBUS_NATS_URL=self.url, PYTHONUNBUFFERED="1")
         if self.log_level:
             env["RLBUS_LOG_LEVEL"] = self.log_level
-        # own session: a terminal's Ctrl-C reaches only `rlbus up`, which stops children in order
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "rlbus", *args], env=env, start_new_session=True)
+        self.procs[name] = spawn([sys.executable, "-m", "rlbus", *args], env=env)
 
     def start(self) -> None:
         self._spawn("controller", ["controller", "--nats-url", self.url, *self.controller_args])

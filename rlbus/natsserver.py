@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+from rlbus.children import spawn
+
 _READY = "Server is ready"
 _CLIENT_PORT = re.compile(r"Listening for client connections on [^\s]+:(\d+)")
 
@@ -83,9 +85,7 @@ class NatsServer:
             args += ["-js", "-sd", str(self.store_dir)]
         if self.config_file:
             args += ["-c", str(self.config_file)]
-        self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+        self._proc = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready = threading.Event()
         reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)
         reader.start()

@@ -32,6 +32,7 @@ from .commands import (
     Sleep,
     StartDraftWeightUpdate,
     StartWeightUpdate,
+    Sync,
     UpdateWeights,
     UpdateWeightVersion,
     WakeUp,

@@ -118,6 +118,13 @@ class GetWeightVersion(Command, frozen=True, kw_only=True, tag="get_weight_versi
     pass
 
 
+class Sync(Command, frozen=True, kw_only=True, tag="sync"):
+    """controller -> worker after its handshake: the committed version. A worker on an older
+    one is stale: it takes no rl.generate traffic until it has received current weights."""
+
+    committed_version: str
+
+
 AnyCommand = Union[
     Pause,
     Resume,
@@ -137,6 +144,7 @@ AnyCommand = Union[
     AbortWeightUpdate,
     UpdateWeightVersion,
     GetWeightVersion,
+    Sync,
 ]
 
 # Ops a trainer may send to the controller.
@@ -172,4 +180,5 @@ WORKER_OPS: tuple[str, ...] = (
     "commit",
     "abort_weight_update",
     "update_weight_version",
+    "sync",
 )

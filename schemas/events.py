@@ -8,7 +8,7 @@ from .base import Message
 from .state import Capabilities, WorkerState
 
 EventKind = Literal[
-    "paused", "resumed", "sleeping", "awake", "worker_joined", "worker_left",
+    "paused", "resumed", "sleeping", "awake", "worker_joined", "worker_left", "worker_stale",
     "session_started", "session_aborted", "session_committed", "progress",
 ]
 

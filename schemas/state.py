@@ -68,6 +68,9 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     """The open weight-update session, if any."""
     transfer_ready: bool = False
     """The worker has joined a weight-transfer group."""
+    stale: bool = False
+    """Joined on an older version than the committed one: takes no rl.generate traffic
+    until it has received current weights."""
     draft_stale: bool = False
     """The verifier was updated after the draft last was (speculation acceptance drops)."""
     spec_proposed: int = 0

@@ -46,9 +46,15 @@ class ReplyCache:
         self._running: dict[str, anyio.Event] = {}
         self.size = size
 
+    def __contains__(self, command_id: str) -> bool:
+        """A command with this id is running (a duplicate must wait for it)."""
+        return command_id in self._running
+
     async def run(self, command_id: str, work: Callable[[], Awaitable[bytes]]) -> bytes:
         if not command_id:
             return await work()
+        if command_id in self._done:
+            return self._done[command_id]
         while command_id in self._running:  # a duplicate arrived while the first runs
             await self._running[command_id].wait()
         if command_id in self._done:
@@ -83,8 +89,13 @@ class Endpoints:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def command(self, op: str, handler: CommandHandler) -> Callable[[Request], Awaitable[None]]:
-        """A micro endpoint handler for `op` that decodes, spawns `handler` and replies."""
+    def command(self, op: str, handler: CommandHandler, *, inline: bool = False) -> Callable[[Request], Awaitable[None]]:
+        """A micro endpoint handler for `op` that decodes, runs `handler` and replies.
+
+        inline=True answers inside the NATS callback: only for handlers that never wait
+        (no lock, no I/O beyond their reply), where a task would cost more than the work.
+        Everything else runs as a task the service owns, so the callback returns at once.
+        """
 
         async def on_request(req: Request) -> None:
             try:
@@ -92,7 +103,10 @@ class Endpoints:
             except DecodeError as e:
                 await req.respond_error(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}")
                 return
-            self.spawn(req, lambda: self._answer(handler, cmd))
+            if inline and cmd.command_id not in self.replies:
+                await self._reply(req, lambda: self._answer(handler, cmd), counted=False)
+            else:
+                self.spawn(req, lambda: self._answer(handler, cmd))
 
         return on_request
 
@@ -113,7 +127,7 @@ class Endpoints:
 
         return await self.replies.run(cmd.command_id, work)
 
-    async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes]]) -> None:
+    async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes]], *, counted: bool = True) -> None:
         try:
             data = await work()
             try:
@@ -121,7 +135,8 @@ class Endpoints:
             except Exception as e:  # connection closed mid-reply: nothing else to tell
                 log.warning("%s: could not reply: %s", self._name, e)
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+            if counted:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.set()
 

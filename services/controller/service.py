@@ -21,6 +21,8 @@ from rlbus.errors import FailedPrecondition, InvalidArgument, Unavailable, error
 from rlbus.schemas import (
     AbortWeightUpdate,
     AnyCommand,
+    Capabilities,
+    WorkerState,
     Commit,
     FinishWeightUpdate,
     GetWeightVersion,
@@ -28,6 +30,7 @@ from rlbus.schemas import (
     PrepareCommit,
     StartDraftWeightUpdate,
     StartWeightUpdate,
+    Sync,
     UpdateTarget,
     UpdateWeights,
     UpdateWeightVersion,
@@ -55,6 +58,7 @@ from rlbus.services.handlers import Endpoints
 
 from . import session as S
 from .fanout import Outcome, fan_out
+from .leadership import Lease, LeaseLost
 from .registry import Registry
 from .store import StateStore
 
@@ -70,6 +74,8 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     liveness_timeout_s: float = 3.0
     """A worker silent this long leaves the registry."""
     drain_timeout_s: float = 10.0
+    lease_s: float = 5.0
+    """Leadership lease: a standby controller takes over this long after the leader's last renewal."""
 
 
 class ControllerService:
@@ -89,11 +95,27 @@ class ControllerService:
         self._changed = anyio.Event()
         self._last_hello = 0.0
         self._tg: anyio.abc.TaskGroup = _NoTaskGroup()  # type: ignore[assignment]
+        self.standby_for: str | None = None
+        """While waiting for the lease: the controller that holds it."""
+        self.lease_lost = False
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
         self.store = await StateStore.open(self.nc, self.subjects.kv_bucket)
+        lease = Lease(self.store.kv, self.id, self.opts.lease_s)
+        async with anyio.create_task_group() as wait:  # standby until the lease is ours, or stop()
+
+            async def stop_waiting() -> None:
+                await self._stop.wait()
+                wait.cancel_scope.cancel()
+
+            wait.start_soon(stop_waiting)
+            await lease.acquire(lambda holder: setattr(self, "standby_for", holder.controller_id))
+            wait.cancel_scope.cancel()
+        if self._stop.is_set():
+            return
+        self.standby_for = None
         self.epoch = await self.store.take_epoch()
         self.version = await self.store.version()
         orphan = await self.store.session()
@@ -112,7 +134,8 @@ class ControllerService:
             )
             group = self._micro.add_group(name=f"{self.subjects.prefix}.control")
             for op, handler in self._handlers().items():
-                await group.add_endpoint(name=op, subject=op, handler=eps.command(op, handler))
+                # server_info reads memory only: answered inside the callback
+                await group.add_endpoint(name=op, subject=op, handler=eps.command(op, handler, inline=op == "server_info"))
             subs = [
                 await self.nc.subscribe(self.subjects.worker_ready, cb=self._on_worker_event),
                 await self.nc.subscribe(self.subjects.worker_heartbeat, cb=self._on_worker_event),
@@ -121,6 +144,7 @@ class ControllerService:
             await self.nc.flush()
             await self._hello()
             tg.start_soon(self._sweep)
+            tg.start_soon(self._keep_lease, lease)
             log.info("controller %s up, epoch %d, version %s", self.id, self.epoch, self.version.version)
             task_status.started()
             await self._stop.wait()
@@ -131,7 +155,18 @@ class ControllerService:
                     await self._micro.stop()
                 with anyio.move_on_after(self.opts.drain_timeout_s):
                     await eps.wait_idle()
+                if not self.lease_lost:
+                    with anyio.move_on_after(2):
+                        await lease.release()  # a standby takes over at once
             tg.cancel_scope.cancel()
+
+    async def _keep_lease(self, lease: Lease) -> None:
+        try:
+            await lease.keep()
+        except LeaseLost as e:
+            log.error("controller %s lost leadership (%s); stepping down", self.id, e)
+            self.lease_lost = True
+            self.stop()
 
     def stop(self) -> None:
         self._stop.set()
@@ -178,13 +213,7 @@ class ControllerService:
             return
         match ev:
             case WorkerReady(capabilities=caps, state=state):
-                if self.registry.join(caps, state):
-                    log.info("worker %s joined (%s)", state.worker_id, caps.model_name)
-                    self._notify()
-                    await self._event("worker_joined", [state.worker_id])
-                if state.session_id and state.session_id != self._session_id():
-                    # an orphan of a session this controller does not hold (e.g. before a restart)
-                    self._tg.start_soon(self._abort_orphan, state.worker_id, state.session_id)
+                self._tg.start_soon(self._admit, caps, state)
             case Heartbeat(state=state):
                 if not self.registry.seen(state) and time.monotonic() - self._last_hello > 1.0:
                     await self._hello()  # an unknown worker: ask everyone to re-announce
@@ -347,6 +376,31 @@ class ControllerService:
             if isinstance(self.session, S.Open):  # Committing is resolved by finish itself
                 self._advance(S.WorkerLost(worker_id))
                 await self._abort_everywhere(f"worker {worker_id} left during the session")
+
+    async def _admit(self, caps: Capabilities, state: WorkerState) -> None:
+        """Register an announced worker once it knows the committed version (an older one
+        goes stale and takes no generation traffic), and drop any session it holds that
+        this controller does not (an orphan from before a restart)."""
+        w = state.worker_id
+        out = await fan_out(
+            self.nc, self.subjects, [w], Sync(epoch=self.epoch, command_id=uuid.uuid4().hex, committed_version=self.version.version),
+            min(5.0, self.opts.command_timeout_s),
+        )
+        synced = out.acks.get(w)
+        if synced is None:
+            log.warning("worker %s announced itself but did not take the sync: %s", w, out.failures)
+            return
+        if self.registry.join(caps, synced):
+            log.info("worker %s joined (%s)", w, caps.model_name)
+            self._notify()
+            await self._event("worker_joined", [w])
+        if synced.stale:
+            await self._event(
+                "worker_stale", [w],
+                f"holds {synced.weight_version}, committed is {self.version.version}; push weights to bring it in step",
+            )
+        if synced.session_id and synced.session_id != self._session_id():
+            await self._abort_orphan(w, synced.session_id)
 
     async def _abort_orphan(self, worker_id: str, session_id: str) -> None:
         async with self._lock:

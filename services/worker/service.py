@@ -38,6 +38,7 @@ from rlbus.schemas import (
     Sleep,
     StartWeightUpdate,
     Subjects,
+    Sync,
     UpdateMode,
     UpdateWeights,
     UpdateWeightVersion,
@@ -60,6 +61,10 @@ from .updates import WeightUpdates
 log = logging.getLogger("rlbus.worker")
 
 SERVICE_VERSION = "0.1.0"
+
+# Commands whose handlers never wait: answered inside the NATS callback (no task). pause is
+# not here: wait/keep wait for requests. Everything that may wait runs as a task.
+_INLINE_OPS = frozenset({"resume", "status", "start_weight_update", "abort_weight_update"})
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,6 +96,9 @@ class WorkerService:
         self._endpoints: Endpoints | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
+        self.stale = False
+        """On an older version than the committed one (told by the controller's Sync)."""
+        self._generate_service: Service | None = None
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -122,6 +130,7 @@ class WorkerService:
             param_bytes=s.param_bytes,
             kv_cache_bytes=s.kv_cache_bytes,
             dirty=self.engine.dirty,
+            stale=self.stale,
             session_id=self.updates.session_id,
             transfer_ready=self.updates.transfer_ready,
             draft_stale=self.engine.draft_stale,
@@ -154,13 +163,10 @@ class WorkerService:
             )
             group = self._micro.add_group(name=f"{self.subjects.prefix}.worker.{self.id}")
             for op, handler in self._handlers().items():
-                await group.add_endpoint(name=op, subject=op, handler=eps.command(op, self._fenced(handler)))
-            await self._micro.add_endpoint(
-                name="generate",
-                subject=self.subjects.generate,
-                queue_group=f"{self.subjects.prefix}-generate",
-                handler=self._on_generate,
-            )
+                await group.add_endpoint(
+                    name=op, subject=op, handler=eps.command(op, self._fenced(handler), inline=op in _INLINE_OPS)
+                )
+            await self._serve_generation(True)
             hello = await self.nc.subscribe(self.subjects.controller_hello, cb=self._on_hello)
             await self.nc.flush()
             await self.announce()
@@ -171,6 +177,7 @@ class WorkerService:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(2):  # unsubscribing needs a live connection
                     await hello.unsubscribe()
+                    await self._serve_generation(False)
                     await self._micro.stop()
                 with anyio.move_on_after(self.opts.drain_timeout_s):
                     await eps.wait_idle()
@@ -228,6 +235,7 @@ class WorkerService:
             "commit": self._commit,
             "abort_weight_update": self._abort_weight_update,
             "update_weight_version": self._update_weight_version,
+            "sync": self._sync,
         }
 
     def _fenced(self, handler: Callable[[AnyCommand], Awaitable[object]]) -> Callable[[AnyCommand], Awaitable[object]]:
@@ -296,7 +304,10 @@ class WorkerService:
 
     async def _commit(self, cmd: AnyCommand) -> WorkerAck:
         assert isinstance(cmd, Commit)
+        target = self.updates.session.target if self.updates.session else "main"
         await self.updates.commit(cmd.session_id, cmd.weight_version)
+        if target == "main":
+            await self._set_stale(False)  # it holds the committed weights now
         return self.ack()
 
     async def _abort_weight_update(self, cmd: AnyCommand) -> WorkerAck:
@@ -307,7 +318,39 @@ class WorkerService:
     async def _update_weight_version(self, cmd: AnyCommand) -> WorkerAck:
         assert isinstance(cmd, UpdateWeightVersion)
         self.updates.set_version(cmd.new_version)
+        await self._set_stale(False)
         return self.ack()
+
+    async def _sync(self, cmd: AnyCommand) -> WorkerAck:
+        assert isinstance(cmd, Sync)
+        await self._set_stale(self.engine.weight_version != cmd.committed_version)
+        return self.ack()
+
+    async def _set_stale(self, stale: bool) -> None:
+        if stale != self.stale:
+            log.warning("worker %s is %s", self.id, "stale: no generation until current weights arrive" if stale else "current again")
+        self.stale = stale
+        await self._serve_generation(not stale)
+
+    async def _serve_generation(self, on: bool) -> None:
+        """Join or leave the rl.generate queue group (a stale worker takes no traffic).
+
+        Generation is its own micro service (`rlbus-generate`), so `$SRV.INFO.rlbus-generate`
+        lists exactly the workers that take traffic now.
+        """
+        if on and self._generate_service is None:
+            svc = await add_service(
+                self.nc, name="rlbus-generate", version=SERVICE_VERSION,
+                description="rlbus generation (reference engine)", metadata={"worker_id": self.id},
+            )
+            await svc.add_endpoint(
+                name="generate", subject=self.subjects.generate,
+                queue_group=f"{self.subjects.prefix}-generate", handler=self._on_generate,
+            )
+            self._generate_service = svc
+        elif not on and self._generate_service is not None:
+            svc, self._generate_service = self._generate_service, None
+            await svc.stop()
 
     # ---- generation --------------------------------------------------------------------
 

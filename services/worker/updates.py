@@ -9,7 +9,9 @@ generation until a later update commits.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 from collections.abc import Sequence
 
 import anyio
@@ -101,8 +103,6 @@ class WeightUpdates:
             if self.session.session_id == session_id:
                 return
             raise FailedPrecondition(f"session {self.session.session_id} is already open; finish or abort it first")
-        if self.rx is None:
-            raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
         if "weights" in self.engine.status().sleeping_tags:
             raise FailedPrecondition(
                 "weights are asleep; call wake_up(tags=['weights']) before updating them "
@@ -137,7 +137,9 @@ class WeightUpdates:
         s = self._open(session_id)
         rx = self.rx
         if rx is None:
-            raise FailedPrecondition("the weight-transfer group is gone; call init_weight_transfer() again")
+            if not buckets:
+                return  # nothing to receive: an empty update needs no group
+            raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
         if s.receiving == 0:
             s.done = anyio.Event()
         s.receiving += 1
@@ -190,6 +192,8 @@ class WeightUpdates:
         if s.staged or s.received:
             written = set() if self.mode == "staged" else s.received
             await self.engine.load_weights(s.target, s.staged, written)
+        s.staged.clear()
+        release_freed_memory()  # the shadow copy's pages go back to the OS, not to malloc's cache
         if s.target == "main":
             self.engine.dirty = False
             if version is not None:
@@ -210,9 +214,20 @@ class WeightUpdates:
             self.engine.dirty = True
         s.staged.clear()
         self.session = None
+        release_freed_memory()
         return True
 
     def set_version(self, version: str) -> None:
         if self.session is not None:
             raise FailedPrecondition(f"session {self.session.session_id} is open; finish or abort it first")
         self.engine.weight_version = version
+
+
+def release_freed_memory() -> None:
+    """glibc keeps freed multi-MiB tensor blocks in its arenas; give them back to the OS so a
+    staged worker idles at one model, not two (measured: 777 -> ~480 MiB for a 241 MiB model)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass

@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 
 
+pytestmark = pytest.mark.timeout(400)
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus", "demo", "--steps", "10", "--out", str(out), "--seed", "3"],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=360,
     )
     return proc, out
 

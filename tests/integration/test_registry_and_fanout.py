@@ -11,6 +11,7 @@ import pytest
 
 import rlbus
 from rlbus.schemas import (
+    WorkerAck,
     Capabilities,
     FleetAck,
     FleetEvent,
@@ -186,6 +187,9 @@ async def test_a_worker_that_never_answers_makes_pause_fail_with_deadline_exceed
     received: list[str] = []
 
     async def swallow(msg) -> None:  # noqa: ANN001
+        if msg.subject == subjects.worker("mute", "sync"):  # admission: the one command it answers
+            await msg.respond(encode(WorkerAck(state=WorkerState(worker_id="mute"))))
+            return
         received.append(msg.subject)  # and never reply
 
     async def beat() -> None:
@@ -238,7 +242,13 @@ async def test_micro_info_lists_each_workers_command_and_generate_endpoints(flee
     )
     info = next(r for r in infos if r["metadata"].get("worker_id") == "r0")
     subjects = {e["subject"] for e in info["endpoints"]}
-    assert {f"{prefix}.worker.r0.pause", f"{prefix}.worker.r0.resume", f"{prefix}.generate"} <= subjects
+    assert {f"{prefix}.worker.r0.pause", f"{prefix}.worker.r0.resume", f"{prefix}.worker.r0.sync"} <= subjects
+    # generation is a service of its own, present only while the worker takes traffic
+    gens = await gather_replies(
+        raw, "$SRV.INFO.rlbus-generate", lambda rs: any(r["metadata"].get("worker_id") == "r0" for r in rs)
+    )
+    gen = next(r for r in gens if r["metadata"].get("worker_id") == "r0")
+    assert [e["subject"] for e in gen["endpoints"]] == [f"{prefix}.generate"]
 
 
 @pytest.mark.parametrize("payload", [b"{not json", b'{"kind":"pause","mode":"sideways"}', b"\x00\xff"])

@@ -31,6 +31,7 @@ def _commands() -> list[s.Command]:
         s.AbortWeightUpdate(reason="x"),
         s.UpdateWeightVersion(new_version="v2"),
         s.GetWeightVersion(),
+        s.Sync(committed_version="step-3"),
     ]
 
 

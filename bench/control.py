@@ -1,0 +1,262 @@
+"""Control-plane benchmark: rlbus pause+resume rounds against a raw NATS scatter-gather.
+
+    python bench/control.py [--workers 1,8,64,256] [--rounds 20] [--per-conn 16] [--profile 64]
+
+For each fleet size N, in one process on one event loop, against one embedded nats-server:
+  rlbus  a ControllerService and N real WorkerServices (engine: bench/weightless.py, so no
+         torch work); one round = RLClient.pause("abort") + RLClient.resume(), i.e.
+         trainer -> controller -> N workers -> controller -> trainer, twice.
+  raw    the same shape with no rlbus code: a "controller" subscriber that, per request,
+         nc.request()s N raw responders concurrently (asyncio.gather) and replies once all
+         answered; the client sends 2 sequential requests per round. Payload sizes match
+         rlbus's (command, WorkerAck, FleetAck), and the connections are laid out the same.
+Workers share NATS connections round-robin (--per-conn workers per connection), in both.
+Median ms per round over --rounds after 3 warm-up rounds; ratio = rlbus / raw (1.0 = the limit).
+--profile N: also cProfile the rlbus rounds at N and print where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import importlib.metadata
+import io
+import math
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import nats  # noqa: E402
+from weightless import WeightlessEngine  # noqa: E402
+
+from rlbus.client import RLClient  # noqa: E402
+from rlbus.connection import connect  # noqa: E402
+from rlbus.natsserver import NatsServer  # noqa: E402
+from rlbus.schemas import Pause, Subjects, WorkerAck, encode  # noqa: E402
+from rlbus.services.controller.service import ControllerOptions, ControllerService  # noqa: E402
+from rlbus.services.worker.service import WorkerOptions, WorkerService  # noqa: E402
+
+WARMUP = 3
+GOAL_N, GOAL_RATIO = 64, 1.5
+
+
+class Result:
+    def __init__(self, per_round: list[float], sizes: dict[str, int], note: str = "") -> None:
+        self.per_round = per_round
+        self.sizes = sizes
+        self.note = note
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.per_round) * 1e3
+
+
+async def _conns(url: str, n: int, per_conn: int, tag: str) -> list:
+    return [await connect(url, name=f"bench-{tag}-{k}") for k in range(max(1, math.ceil(n / per_conn)))]
+
+
+async def _timed_rounds(one_round, rounds: int, profiler: cProfile.Profile | None = None) -> list[float]:
+    """Per-round seconds after the warm-up; with a profiler, `rounds` more (untimed) rounds run under it."""
+    for _ in range(WARMUP):
+        await one_round()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        await one_round()
+        times.append(time.perf_counter() - t0)
+    if profiler:
+        profiler.enable()
+        for _ in range(rounds):
+            await one_round()
+        profiler.disable()
+    return times
+
+
+async def _discovered(nc, name: str, wait: float = 0.5) -> int:
+    """How many micro service instances answer $SRV.PING.<name>."""
+    inbox = nc.new_inbox()
+    got = []
+
+    async def on_pong(msg) -> None:  # noqa: ANN001
+        got.append(msg)
+
+    sub = await nc.subscribe(inbox, cb=on_pong)
+    await nc.publish(f"$SRV.PING.{name}", b"", reply=inbox)
+    await asyncio.sleep(wait)
+    await sub.unsubscribe()
+    return len(got)
+
+
+async def bench_rlbus(url: str, n: int, rounds: int, per_conn: int, profiler: cProfile.Profile | None) -> Result:
+    subjects = Subjects(prefix=f"b{n}x{uuid.uuid4().hex[:6]}")
+    ctrl_nc = await connect(url, name="bench-controller")
+    trainer_nc = await connect(url, name="bench-trainer")
+    wconns = await _conns(url, n, per_conn, "worker")
+    controller = ControllerService(ctrl_nc, ControllerOptions(subjects=subjects))
+    workers = [
+        WorkerService(wconns[i % len(wconns)], WeightlessEngine(), WorkerOptions(worker_id=f"w{i}", subjects=subjects))
+        for i in range(n)
+    ]
+    rl = RLClient(trainer_nc, subjects=subjects, timeout=60)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(controller.run)
+            for w in workers:
+                await tg.start(w.run)
+            with anyio.fail_after(30):
+                await controller.wait_for(lambda reg: len(reg.ids()) >= n)
+            found = await _discovered(trainer_nc, "rlbus-worker")
+
+            async def one_round() -> None:
+                await rl.pause("abort")
+                await rl.resume()
+
+            times = await _timed_rounds(one_round, rounds, profiler)
+            fleet = await rl.pause("abort")
+            await rl.resume()
+            sizes = {
+                "command": len(encode(Pause(mode="abort", epoch=1, command_id=uuid.uuid4().hex))),
+                "worker_ack": len(encode(WorkerAck(state=workers[0].state()))),
+                "fleet_ack": len(encode(fleet)),
+            }
+            assert len(fleet.workers) == n, f"{len(fleet.workers)} of {n} workers answered"
+            for w in workers:
+                w.stop()
+            controller.stop()
+    finally:
+        for nc in [ctrl_nc, trainer_nc, *wconns]:
+            await nc.close()
+    return Result(times, sizes, note=f"$SRV.PING: {found}/{n} workers")
+
+
+async def bench_raw(url: str, n: int, rounds: int, per_conn: int, sizes: dict[str, int]) -> Result:
+    prefix = f"raw{n}x{uuid.uuid4().hex[:6]}"
+    ctrl_nc = await nats.connect(url, name="raw-controller")
+    trainer_nc = await nats.connect(url, name="raw-trainer")
+    wconns = [await nats.connect(url, name=f"raw-worker-{k}") for k in range(max(1, math.ceil(n / per_conn)))]
+    command = b"c" * sizes["command"]
+    worker_ack = b"a" * sizes["worker_ack"]
+    fleet_ack = b"f" * sizes["fleet_ack"]
+    try:
+        for i in range(n):
+            nc = wconns[i % len(wconns)]
+
+            async def respond(msg, nc=nc) -> None:  # noqa: ANN001
+                await nc.publish(msg.reply, worker_ack)
+
+            for op in ("pause", "resume"):
+                await nc.subscribe(f"{prefix}.worker.w{i}.{op}", cb=respond)
+
+        async def controller(msg) -> None:  # noqa: ANN001
+            op = msg.subject.rsplit(".", 1)[1]
+            await asyncio.gather(*(ctrl_nc.request(f"{prefix}.worker.w{i}.{op}", command, timeout=30) for i in range(n)))
+            await ctrl_nc.publish(msg.reply, fleet_ack)
+
+        await ctrl_nc.subscribe(f"{prefix}.control.*", cb=controller)
+        for nc in [ctrl_nc, *wconns]:
+            await nc.flush()
+
+        async def one_round() -> None:
+            await trainer_nc.request(f"{prefix}.control.pause", command, timeout=30)
+            await trainer_nc.request(f"{prefix}.control.resume", command, timeout=30)
+
+        times = await _timed_rounds(one_round, rounds)
+    finally:
+        for nc in [ctrl_nc, trainer_nc, *wconns]:
+            await nc.close()
+    return Result(times, sizes)
+
+
+def print_profile(profiler: cProfile.Profile, n: int, rounds: int) -> None:
+    """Bucket cumulative time by where it is spent (self time, so buckets do not overlap)."""
+    st = pstats.Stats(profiler)
+    total = sum(v[2] for v in st.stats.values())  # type: ignore[attr-defined]
+    buckets = {
+        "msgspec encode/decode": ("msgspec", "encode", "decode", "codec"),
+        "nats-py client (parse, publish, request, inbox mux)": ("/nats/aio/", "/nats/protocol/"),
+        "nats.micro handler wrapper": ("/nats/micro/",),
+        "asyncio / anyio scheduling": ("asyncio", "anyio", "/selectors.py", "select.epoll", "_contextvars", "sniffio"),
+        "rlbus worker (service, engine, handlers)": ("/services/worker/", "/services/handlers.py", "weightless.py"),
+        "rlbus controller (service, fan-out, registry)": ("/services/controller/",),
+        "rlbus client": ("/rlbus/client.py",),
+        "msgspec.structs.replace / uuid / time": ("uuid", "replace", "time"),
+    }
+    acc = {k: 0.0 for k in buckets}
+    acc["other"] = 0.0
+    for (file, _line, func), (_cc, _nc, tt, _ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        key = f"{file}:{func}"
+        for name, marks in buckets.items():
+            if any(m in key for m in marks):
+                acc[name] += tt
+                break
+        else:
+            acc["other"] += tt
+    print(f"\nprofile of {rounds} extra rlbus rounds at N={n} (self time; cProfile inflates per-call cost, so read shares):")
+    for name, t in sorted(acc.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:52s} {t / rounds * 1e3:7.2f} ms/round  {t / total:5.1%}")
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+    print("\n  top functions by self time:")
+    for line in out.getvalue().splitlines():
+        if line.strip() and ("{" in line or "/" in line or "ncalls" in line):
+            print("  " + line[:150])
+
+
+async def amain(a: argparse.Namespace) -> None:
+    ns = [int(x) for x in a.workers.split(",")]
+    print(
+        f"machine: {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}, "
+        f"nats-py {importlib.metadata.version('nats-py')}, {platform.platform()}"
+    )
+    print(f"rounds {a.rounds} (+{WARMUP} warm-up), round = pause(abort) + resume, "
+          f"{a.per_conn} workers per NATS connection, all in one process / event loop")
+    rows = []
+    with NatsServer() as server:
+        for n in ns:
+            prof = cProfile.Profile() if a.profile == n else None
+            t0 = time.monotonic()
+            rl = await bench_rlbus(server.url, n, a.rounds, a.per_conn, prof)
+            raw = await bench_raw(server.url, n, a.rounds, a.per_conn, rl.sizes)
+            rows.append((n, rl, raw))
+            print(f"  N={n:<4d} done in {time.monotonic() - t0:5.1f}s  ({rl.note}; payload bytes: {rl.sizes})", flush=True)
+            if prof:
+                print_profile(prof, n, a.rounds)
+    print()
+    print(f"{'N':>5} {'rlbus ms/round':>15} {'raw ms/round':>13} {'rlbus/raw':>10}   goal")
+    for n, rl, raw in rows:
+        ratio = rl.median_ms / raw.median_ms
+        if n == GOAL_N:
+            goal = f"<= {GOAL_RATIO}x: {'met' if ratio <= GOAL_RATIO else 'MISSED'}"
+        elif n == 256:
+            goal = "works: met"
+        else:
+            goal = ""
+        print(f"{n:5d} {rl.median_ms:15.2f} {raw.median_ms:13.2f} {ratio:10.2f}   {goal}")
+    print("\nnot measured: an empty update session (start -> finish, no tensors); WeightUpdates.start() "
+          "refuses without a joined transfer group (services/worker/updates.py).")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", default="1,8,64,256")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--per-conn", type=int, default=16, help="workers sharing one NATS connection")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile the rlbus rounds at this N")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    anyio.run(amain, a)
+
+
+if __name__ == "__main__":
+    main()

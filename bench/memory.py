@@ -1,0 +1,190 @@
+"""Worker memory benchmark: peak RSS of a real worker process during a weight update.
+
+    python bench/memory.py [--size-mb 256] [--bucket-mb 32] [--pushes 2] [--modes staged,in_place]
+
+Per update mode it starts an embedded nats-server, a controller process and one worker
+process (`python -m rlbus worker --weight-transfer-backend gloo --update-mode MODE`, a
+reference model of about --size-mb of float32, KV cache kept tiny), joins the gloo group,
+then pushes a different model (same config, seed=1) --pushes times with
+RLClient.push_weights(bucket_bytes=--bucket-mb MiB). A thread samples the worker's
+/proc/<pid>/status VmRSS every ~5 ms during each push; VmHWM (the kernel's high-water
+mark since process start) is read at the end as a cross-check.
+
+  baseline  VmRSS when idle: model loaded, registered, transfer group joined
+  peak      max sampled VmRSS during the pushes
+  extra     peak - baseline, against the targets
+            in_place: extra <= 2 buckets           (peak <= model + 2 buckets)
+            staged:   extra <= model + 2 buckets   (peak <= 2 x model + 2 buckets)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+import anyio
+import torch
+
+from rlbus.client import RLClient
+from rlbus.natsserver import NatsServer
+from rlbus.services.worker.model import ModelConfig, TinyLM
+
+MiB = 1 << 20
+D_MODEL, N_HEADS, VOCAB, SEQ = 1024, 8, 64, 16
+
+
+def config_for(size_mb: int) -> ModelConfig:
+    """d_model 1024 and as many layers as bring float32 params closest to size_mb."""
+    d = D_MODEL
+    per_layer = 12 * d * d + 13 * d  # qkv, proj, fc1, fc2 (+ biases), two layer norms
+    fixed = 2 * VOCAB * d + 2 * d  # embedding, lm_head, final norm
+    layers = max(1, round((size_mb * MiB / 4 - fixed) / per_layer))
+    return ModelConfig(vocab_size=VOCAB, d_model=d, n_layers=layers, n_heads=N_HEADS, max_seq_len=SEQ)
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM of pid in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value, _unit = line.split()
+                out[key[:-1]] = int(value) * 1024
+    return out
+
+
+class Sampler:
+    """Samples VmRSS of pid every `interval` s in a thread while active."""
+
+    def __init__(self, pid: int, interval: float = 0.005) -> None:
+        self.pid, self.interval = pid, interval
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, proc_status(self.pid)["VmRSS"])
+            self.samples += 1
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, proc_status(self.pid)["VmRSS"])
+
+
+def _spawn(args: list[str], log) -> subprocess.Popen:  # noqa: ANN001
+    env = dict(os.environ, RLBUS_LOG_LEVEL="WARNING")
+    return subprocess.Popen([sys.executable, "-m", "rlbus", *args], stdout=log, stderr=log, env=env)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int) -> dict:
+    with NatsServer() as server, open(os.devnull, "w") as log:
+        ctrl = _spawn(["controller", "--nats-url", server.url], log)
+        worker = _spawn([
+            "worker", "--nats-url", server.url, "--id", "w0", "--weight-transfer-backend", "gloo", "--update-mode", mode,
+            "--vocab-size", str(cfg.vocab_size), "--d-model", str(cfg.d_model), "--n-layers", str(cfg.n_layers),
+            "--n-heads", str(cfg.n_heads), "--max-seq-len", str(cfg.max_seq_len), "--max-concurrency", "1",
+            "--no-draft", "--heartbeat", "1.0",
+        ], log)
+        try:
+            rl = await RLClient.connect(server.url, timeout=120)
+            try:
+                with anyio.fail_after(120):
+                    while True:
+                        try:
+                            info = await rl.server_info()
+                            if [w.worker_id for w in info.workers] == ["w0"]:
+                                break
+                        except Exception:  # controller not up yet
+                            pass
+                        await anyio.sleep(0.2)
+                await rl.init_weight_transfer()
+                await anyio.sleep(0.5)
+                baseline = proc_status(worker.pid)["VmRSS"]
+                peaks, secs = [], []
+                for k in range(pushes):
+                    t0 = time.monotonic()
+                    with Sampler(worker.pid) as s:
+                        await rl.push_weights(new, f"v{k + 1}", bucket_bytes=bucket)
+                    secs.append(time.monotonic() - t0)
+                    peaks.append(s.peak)
+                after = proc_status(worker.pid)
+                version = await rl.get_weight_version()
+                assert version == f"v{pushes}", version
+            finally:
+                await rl.close()
+        finally:
+            _stop(worker)
+            _stop(ctrl)
+    return {"baseline": baseline, "peaks": peaks, "hwm": after["VmHWM"], "rss_after": after["VmRSS"], "secs": secs,
+            "samples": s.samples}
+
+
+async def amain(a: argparse.Namespace) -> None:
+    cfg = config_for(a.size_mb)
+    new_cfg = ModelConfig(**{**{f: getattr(cfg, f) for f in cfg.__struct_fields__}, "seed": 1})
+    model = TinyLM(new_cfg)
+    new = [(n, p.detach()) for n, p in model.named_parameters()]
+    model_bytes = sum(t.numel() * t.element_size() for _, t in new)
+    bucket = a.bucket_mb * MiB
+    kv = 2 * cfg.n_layers * cfg.max_seq_len * cfg.d_model * 4
+    print(f"machine: {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}")
+    print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, vocab {cfg.vocab_size} -> {model_bytes / MiB:.1f} MiB float32 "
+          f"({len(new)} tensors); KV cache {kv / MiB:.2f} MiB; bucket {a.bucket_mb} MiB; {a.pushes} push(es) per mode")
+    rows = []
+    for mode in a.modes.split(","):
+        t0 = time.monotonic()
+        r = await measure(mode, cfg, new, bucket, a.pushes)
+        rows.append((mode, r))
+        pushes = ", ".join(f"{p / MiB:.0f} MiB in {s:.1f}s" for p, s in zip(r["peaks"], r["secs"]))
+        print(f"  {mode:8s} done in {time.monotonic() - t0:5.1f}s  peaks per push: {pushes}; "
+              f"RSS after {r['rss_after'] / MiB:.0f} MiB; last push {r['samples']} samples", flush=True)
+    print()
+    print(f"{'mode':8s} {'baseline':>9s} {'peak':>9s} {'VmHWM':>9s} {'extra':>9s} {'target':>9s} {'extra/target':>13s}   "
+          f"{'extra in models':>15s} {'extra in buckets':>16s}")
+    for mode, r in rows:
+        peak = max(max(r["peaks"]), 0)
+        extra = peak - r["baseline"]
+        target = 2 * bucket + (model_bytes if mode == "staged" else 0)
+        ok = "met" if extra <= target else "MISSED"
+        print(f"{mode:8s} {r['baseline'] / MiB:7.0f}Mi {peak / MiB:7.0f}Mi {r['hwm'] / MiB:7.0f}Mi {extra / MiB:7.0f}Mi "
+              f"{target / MiB:7.0f}Mi {extra / target:12.2f}x   {extra / model_bytes:15.2f} {extra / bucket:16.2f}   {ok}")
+    print("\ntargets: in_place extra <= 2 buckets (peak <= model + 2 buckets); "
+          "staged extra <= model + 2 buckets (peak <= 2 x model + 2 buckets). MiB = 2^20 bytes.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=int, default=256)
+    ap.add_argument("--bucket-mb", type=int, default=32)
+    ap.add_argument("--pushes", type=int, default=2)
+    ap.add_argument("--modes", default="staged,in_place")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    anyio.run(amain, a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""One leading controller per prefix: a lease in the state KV, renewed with revision checks.
+
+A second controller waits in standby until the lease lapses (the leader died or stopped),
+then takes it with a compare-and-set and a new, higher epoch. A leader that finds its lease
+taken (it was paused past the lease, say) steps down: workers would refuse its old epoch anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+import msgspec
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+log = logging.getLogger("rlbus.controller.lease")
+
+KEY = "leader"
+
+
+class LeaseRecord(msgspec.Struct, frozen=True):
+    controller_id: str
+    renewed_at: float
+    """Wall-clock seconds; a record older than the lease is up for grabs."""
+
+
+_decoder = msgspec.json.Decoder(LeaseRecord)
+
+
+class LeaseLost(Exception):
+    """Another controller holds the lease now."""
+
+
+class Lease:
+    def __init__(self, kv: KeyValue, controller_id: str, lease_s: float = 5.0) -> None:
+        self.kv = kv
+        self.controller_id = controller_id
+        self.lease_s = lease_s
+        self._revision = 0
+
+    async def _read(self) -> tuple[LeaseRecord | None, int]:
+        try:
+            e = await self.kv.get(KEY)
+        except KeyNotFoundError:
+            return None, 0
+        if not e.value:  # deleted
+            return None, e.revision or 0
+        return _decoder.decode(e.value), e.revision or 0
+
+    def _record(self) -> bytes:
+        return msgspec.json.encode(LeaseRecord(self.controller_id, time.time()))
+
+    async def try_acquire(self) -> LeaseRecord | None:
+        """Take the lease if free or lapsed; None on success, else the current holder."""
+        held, rev = await self._read()
+        if held is not None and held.controller_id != self.controller_id and time.time() - held.renewed_at <= self.lease_s:
+            return held
+        try:
+            if rev:
+                self._revision = await self.kv.update(KEY, self._record(), last=rev)
+            else:
+                self._revision = await self.kv.create(KEY, self._record())
+        except Exception as e:  # lost a race for it
+            log.debug("lease race lost: %s", e)
+            return (await self._read())[0] or LeaseRecord("unknown", time.time())
+        return None
+
+    async def acquire(self, on_standby=None) -> None:  # noqa: ANN001
+        """Wait until this controller holds the lease."""
+        announced = False
+        while (holder := await self.try_acquire()) is not None:
+            if not announced:
+                log.warning(
+                    "standby: controller %s leads; waiting for its lease (%.0fs) to lapse",
+                    holder.controller_id, self.lease_s,
+                )
+                if on_standby is not None:
+                    on_standby(holder)
+                announced = True
+            await anyio.sleep(self.lease_s / 4)
+
+    async def renew(self) -> None:
+        """Renew the lease; raise LeaseLost if another controller took it."""
+        try:
+            self._revision = await self.kv.update(KEY, self._record(), last=self._revision)
+        except Exception as e:
+            held, _ = await self._read()
+            if held is None or held.controller_id != self.controller_id:
+                raise LeaseLost(f"lease taken by {held.controller_id if held else 'nobody'}") from e
+            raise
+
+    async def keep(self) -> None:
+        """Renew every lease/4 until cancelled; raises LeaseLost."""
+        while True:
+            await anyio.sleep(self.lease_s / 4)
+            try:
+                await self.renew()
+            except LeaseLost:
+                raise
+            except Exception as e:  # NATS briefly away: keep trying within the lease
+                log.warning("lease renewal failed: %s", e)
+
+    async def release(self) -> None:
+        held, rev = await self._read()
+        if held is not None and held.controller_id == self.controller_id:
+            try:
+                await self.kv.delete(KEY, last=rev)
+            except Exception as e:  # someone else holds it now: nothing to release
+                log.debug("lease release skipped: %s", e)
