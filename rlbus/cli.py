@@ -15,9 +15,33 @@ import click
 from rlbus.connection import DEFAULT_URL, URL_ENV
 from rlbus.errors import RLBusError
 
-url_option = click.option(
-    "--nats-url", envvar=URL_ENV, default=None, help=f"NATS server URL (env {URL_ENV})."
-)
+_AUTH_FIELDS = ("user", "password", "creds", "nkey", "tls_ca", "tls_cert", "tls_key")
+_AUTH_HELP = {
+    "user": "NATS user", "password": "NATS password", "creds": "NATS .creds file", "nkey": "nkey seed file",
+    "tls_ca": "CA bundle to verify the server", "tls_cert": "client certificate", "tls_key": "client key",
+}
+
+
+def _remember_auth(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value:
+        ctx.meta.setdefault("rlbus_auth", {})[param.name.removeprefix("nats_")] = value  # type: ignore[union-attr]
+
+
+def url_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--nats-url plus credentials/TLS options, each with its RLBUS_NATS_* env var."""
+    for field in reversed(_AUTH_FIELDS):
+        flag = "--nats-" + field.replace("_", "-")
+        f = click.option(
+            flag, f"nats_{field}", envvar=f"RLBUS_NATS_{field.upper()}", default=None, expose_value=False,
+            callback=_remember_auth, help=f"{_AUTH_HELP[field]} (env RLBUS_NATS_{field.upper()}).",
+        )(f)
+    return click.option("--nats-url", envvar=URL_ENV, default=None, help=f"NATS server URL (env {URL_ENV}).")(f)
+
+
+def _auth() -> Any:
+    from rlbus.connection import NatsAuth
+
+    return NatsAuth(**click.get_current_context().meta.get("rlbus_auth", {}))
 
 
 def _url(url: str | None) -> str:
@@ -49,17 +73,38 @@ def main() -> None:
 @url_option
 @click.option("--weight-transfer-backend", type=click.Choice(["gloo", "nccl", "shm", "none"]), default="gloo", show_default=True)
 @click.option("--update-mode", type=click.Choice(["staged", "in_place"]), default="staged", show_default=True)
+@click.option("--secure", is_flag=True,
+              help="Embedded NATS with a generated least-privilege config (a user per role); prints the trainer's env file.")
+@click.option("--config-dir", type=click.Path(file_okay=False), default=None,
+              help="Where --secure writes nats.conf and <role>.env (default: a private temp dir).")
 @click.option("-v", "--verbose", is_flag=True)
-def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_mode: str, verbose: bool) -> None:
+def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_mode: str, secure: bool,
+       config_dir: str | None, verbose: bool) -> None:
     """Start NATS (embedded unless --nats-url), a controller and N workers; stay in the foreground.
 
     Prints NATS_URL=... once every worker is registered. Ctrl-C / SIGTERM stops everything.
     """
+    import tempfile
+    from pathlib import Path
+
     from rlbus.launcher import Fleet, embedded_or
+    from rlbus.natsconfig import read_env_file, write_config
 
     _logging(verbose)
-    url, server = embedded_or(nats_url)
-    fleet = Fleet(url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode])
+    role_env: dict[str, dict[str, str]] = {}
+    config = None
+    if secure:
+        if nats_url:
+            raise click.UsageError("--secure configures the embedded server; with --nats-url, use `rlbus nats-config`")
+        folder = Path(config_dir or tempfile.mkdtemp(prefix="rlbus-secure-"))
+        paths = write_config(folder)
+        config = paths["config"]
+        role_env = {r: read_env_file(paths[r]) for r in ("controller", "worker", "trainer")}
+    url, server = embedded_or(nats_url, config)
+    fleet = Fleet(
+        url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode],
+        role_env=role_env,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -72,6 +117,8 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
 
         anyio.run(ready)
         print(f"NATS_URL={url}", flush=True)
+        if secure:
+            print(f"RLBUS_TRAINER_ENV={paths['trainer']}", flush=True)  # source it to act as the trainer
         click.echo(f"rlbus up: controller + {workers} workers on {url}. Ctrl-C to stop.", err=True)
         while not stop.wait(0.5):
             fleet.check_alive()
@@ -80,6 +127,28 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         if server is not None:
             server.stop()
         click.echo("rlbus up: stopped", err=True)
+
+
+@main.command("nats-config")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder for nats.conf and <role>.env files.")
+@click.option("--prefix", default="rl", show_default=True, help="Subject prefix the permissions cover.")
+@click.option("--tls-cert", default=None, help="Server certificate (enables TLS).")
+@click.option("--tls-key", default=None, help="Server key.")
+@click.option("--tls-ca", default=None, help="CA for client certificates (enables mutual TLS).")
+def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
+    """Write a least-privilege nats-server config: users for trainer, controller, worker and
+    observer roles, each allowed only its own subjects (see README, SECURITY)."""
+    from pathlib import Path
+
+    from rlbus.natsconfig import Tls, write_config
+
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    tls = Tls(cert=tls_cert, key=tls_key, ca=tls_ca) if tls_cert and tls_key else None
+    paths = write_config(Path(out), prefix=prefix, tls=tls)
+    click.echo(f"wrote {paths['config']} (run: nats-server -js -c {paths['config']})")
+    for role in ("trainer", "controller", "worker", "observer"):
+        click.echo(f"  {role:10s} credentials: {paths[role]}  (export its lines, or pass --nats-user/--nats-password)")
 
 
 @main.command()
@@ -96,7 +165,7 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
 
     _logging(verbose)
     opts = ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=command_timeout, liveness_timeout_s=liveness_timeout)
-    anyio.run(serve, _url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts))
+    anyio.run(lambda: serve(_url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts), auth=_auth()))
 
 
 @main.command()
@@ -163,7 +232,7 @@ def worker(
         )
         return WorkerService(nc, engine, opts)
 
-    anyio.run(serve, _url(nats_url), f"rlbus-worker-{wid}", make)
+    anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth()))
 
 
 @main.command()
@@ -203,8 +272,10 @@ def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, 
 def _client_call(nats_url: str | None, fn: Callable[[Any], Awaitable[Any]]) -> Any:
     from rlbus.client import RLClient
 
+    auth = _auth()
+
     async def run() -> Any:
-        async with await RLClient.connect(_url(nats_url), timeout=30.0) as rl:
+        async with await RLClient.connect(_url(nats_url), timeout=30.0, auth=auth) as rl:
             return await fn(rl)
 
     try:

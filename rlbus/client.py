@@ -14,12 +14,13 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from rlbus.connection import connect, resolve_url
+from rlbus.connection import NatsAuth, connect, denials_of, drain, resolve_url
 from rlbus.errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
+    PermissionDenied,
     RLBusError,
     TransportError,
     Unavailable,
@@ -88,17 +89,25 @@ class RLClient:
         """Bucket size for update_weights; set per call with bucket_bytes=."""
 
     @classmethod
-    async def connect(cls, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0) -> "RLClient":
+    async def connect(
+        cls, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None
+    ) -> "RLClient":
+        """Connect to NATS (url or $RLBUS_NATS_URL; credentials from `auth` or $RLBUS_NATS_*)."""
         resolved = resolve_url(url)
         if resolved is None:
             raise Unavailable("no NATS URL: pass url=... or set RLBUS_NATS_URL")
-        nc = await connect(resolved, name="rlbus-trainer")
+        try:
+            nc = await connect(resolved, name="rlbus-trainer", auth=auth)
+        except PermissionError as e:
+            raise PermissionDenied(str(e)) from None
+        except Exception as e:
+            raise Unavailable(f"cannot connect to NATS at {resolved}: {e}") from None
         return cls(nc, subjects=Subjects(prefix=prefix), timeout=timeout, owns_connection=True)
 
     async def close(self) -> None:
         self._close_transfer()
-        if self._owns and not self.nc.is_closed:
-            await self.nc.drain()
+        if self._owns:
+            await drain(self.nc)
 
     async def __aenter__(self) -> "RLClient":
         return self
@@ -114,12 +123,39 @@ class RLClient:
             command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex)
         t = timeout or self.timeout
         try:
-            msg = await self.nc.request(self.subjects.control(op), encode(command), timeout=t)
+            msg = await self._request(self.subjects.control(op), encode(command), t)
         except NoRespondersError:
             raise Unavailable("no controller is running (no responders); start one with `rlbus up` or `rlbus controller`") from None
         except (NatsTimeout, TimeoutError):
             raise DeadlineExceeded(f"the controller did not answer {op} within {t:g}s") from None
         return _decode(op, msg, expect)
+
+    async def _request(self, subject: str, payload: bytes, timeout: float) -> Any:
+        """nc.request, except that a permission denial for `subject` fails at once, loudly,
+        instead of surfacing as a timeout (nats-py reports it only to its error callback)."""
+        denials = denials_of(self.nc)
+        outcome: list[Any] = []
+        with denials.watch(subject) as denied:
+            async with anyio.create_task_group() as tg:
+
+                async def ask() -> None:
+                    try:
+                        outcome.append(await self.nc.request(subject, payload, timeout=timeout))
+                    except Exception as e:  # noqa: BLE001
+                        outcome.append(e)
+                    tg.cancel_scope.cancel()
+
+                async def refused() -> None:
+                    await denied.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(ask)
+                tg.start_soon(refused)
+        if denied.is_set():
+            raise PermissionDenied(f"the NATS server denies this identity publishing to {subject}; check its credentials and role")
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
 
     # ---- fleet state -------------------------------------------------------------------
 
@@ -171,7 +207,7 @@ class RLClient:
         )
         t = timeout or self.timeout
         try:
-            msg = await self.nc.request(self.subjects.generate, encode(req), timeout=t)
+            msg = await self._request(self.subjects.generate, encode(req), t)
         except NoRespondersError:
             raise Unavailable("no worker serves generation (no responders)") from None
         except (NatsTimeout, TimeoutError):
@@ -435,11 +471,15 @@ class SyncRLClient:
     The NATS connection lives on a private event loop in a background thread.
     """
 
-    def __init__(self, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0) -> None:
+    def __init__(
+        self, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None
+    ) -> None:
         self._portal_cm = start_blocking_portal()
         self._portal: BlockingPortal = self._portal_cm.__enter__()
         try:
-            self._client: RLClient = self._portal.call(lambda: RLClient.connect(url, prefix=prefix, timeout=timeout))
+            self._client: RLClient = self._portal.call(
+                lambda: RLClient.connect(url, prefix=prefix, timeout=timeout, auth=auth)
+            )
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise

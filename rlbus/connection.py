@@ -1,10 +1,16 @@
-"""One way to open a NATS connection, for services, the SDK and the CLI."""
+"""One way to open a NATS connection, for services, the SDK and the CLI: URL, credentials,
+TLS, reconnects, and permission denials made loud."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import ssl
+from collections.abc import Callable
 
+import anyio
+import msgspec
 import nats
 from nats.aio.client import Client
 
@@ -13,17 +19,133 @@ log = logging.getLogger("rlbus.connection")
 DEFAULT_URL = "nats://127.0.0.1:4222"
 URL_ENV = "RLBUS_NATS_URL"
 
+_DENIED = re.compile(r'permissions violation for (publish|subscription) to "?([^"\s]+)"?', re.IGNORECASE)
+
 
 def resolve_url(url: str | None) -> str | None:
     """The explicit URL, else $RLBUS_NATS_URL, else None (the caller decides: embedded server or error)."""
     return url or os.environ.get(URL_ENV) or None
 
 
-async def connect(url: str, *, name: str, ping_interval: float = 2.0, max_outstanding_pings: int = 2) -> Client:
-    """Connect with reconnects forever and a short ping interval (a dead link shows within seconds)."""
+class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
+    """Credentials and TLS for one connection. Every field also reads from an env var."""
+
+    user: str | None = None
+    """$RLBUS_NATS_USER"""
+    password: str | None = None
+    """$RLBUS_NATS_PASSWORD"""
+    creds: str | None = None
+    """$RLBUS_NATS_CREDS: a .creds file (JWT + nkey seed)."""
+    nkey: str | None = None
+    """$RLBUS_NATS_NKEY: a file holding an nkey seed (needs the `nkeys` package)."""
+    tls_ca: str | None = None
+    """$RLBUS_NATS_TLS_CA: CA bundle to verify the server."""
+    tls_cert: str | None = None
+    """$RLBUS_NATS_TLS_CERT: client certificate (mutual TLS)."""
+    tls_key: str | None = None
+    """$RLBUS_NATS_TLS_KEY"""
+
+    @classmethod
+    def from_env(cls, **given: str | None) -> "NatsAuth":
+        """Explicit values win; missing ones come from RLBUS_NATS_<FIELD>."""
+        values = {f: given.get(f) or os.environ.get(f"RLBUS_NATS_{f.upper()}") or None for f in cls.__struct_fields__}
+        return cls(**values)
+
+    def connect_kwargs(self) -> dict[str, object]:
+        kw: dict[str, object] = {}
+        if self.user:
+            kw["user"] = self.user
+        if self.password:
+            kw["password"] = self.password
+        if self.creds:
+            kw["user_credentials"] = self.creds
+        if self.nkey:
+            kw["nkeys_seed"] = self.nkey
+        if self.tls_ca or self.tls_cert:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+            if self.tls_cert:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            kw["tls"] = ctx
+        return kw
+
+
+class Denials:
+    """Permission violations the server reported on one connection.
+
+    nats-py tells only its error callback; rlbus turns each into an error on the call that
+    caused it (`watch(subject)`), or, for a service, into a fatal stop (`on_denied`).
+    """
+
+    def __init__(self) -> None:
+        self._watchers: dict[str, list[anyio.Event]] = {}
+        self.seen: list[tuple[str, str]] = []
+        self.on_denied: Callable[[str, str], None] | None = None
+
+    def report(self, action: str, subject: str) -> None:
+        subject = subject.lower()  # nats-py lower-cases the server's error text
+        self.seen.append((action, subject))
+        for ev in self._watchers.get(subject, []):
+            ev.set()
+        if self.on_denied is not None:
+            self.on_denied(action, subject)
+
+    def denied(self, subject: str) -> bool:
+        return any(s == subject.lower() for _, s in self.seen)
+
+    def watch(self, subject: str) -> "_Watch":
+        return _Watch(self, subject)
+
+
+class _Watch:
+    def __init__(self, denials: Denials, subject: str) -> None:
+        self.denials, self.subject, self.event = denials, subject, anyio.Event()
+
+    def __enter__(self) -> anyio.Event:
+        self.subject = self.subject.lower()
+        self.denials._watchers.setdefault(self.subject, []).append(self.event)
+        return self.event
+
+    def __exit__(self, *exc: object) -> None:
+        lst = self.denials._watchers.get(self.subject, [])
+        if self.event in lst:
+            lst.remove(self.event)
+        if not lst:
+            self.denials._watchers.pop(self.subject, None)
+
+
+def denials_of(nc: Client) -> Denials:
+    """The Denials record of a connection made by `connect` (an empty one otherwise)."""
+    d = getattr(nc, "_rlbus_denials", None)
+    if d is None:
+        d = Denials()
+        nc._rlbus_denials = d  # type: ignore[attr-defined]
+    return d
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    auth: NatsAuth | None = None,
+    ping_interval: float = 2.0,
+    max_outstanding_pings: int = 2,
+) -> Client:
+    """Connect with reconnects forever and a short ping interval (a dead link shows within
+    seconds). Credentials come from `auth`, else from the RLBUS_NATS_* environment."""
+    auth = auth or NatsAuth.from_env()
+    denials = Denials()
+    refused = anyio.Event()
+    connected = False
 
     async def on_error(e: Exception) -> None:
-        log.warning("%s: NATS error: %s", name, e)
+        m = _DENIED.search(str(e))
+        if m:
+            log.error("%s: NATS denied %s to %s", name, m.group(1), m.group(2))
+            denials.report(m.group(1).lower(), m.group(2))
+        elif "authorization" in str(e).lower() and not connected:
+            refused.set()  # wrong credentials: fail the connect instead of retrying forever
+        else:
+            log.warning("%s: NATS error: %s", name, e)
 
     async def on_disconnect() -> None:
         log.info("%s: disconnected from NATS", name)
@@ -31,6 +153,28 @@ async def connect(url: str, *, name: str, ping_interval: float = 2.0, max_outsta
     async def on_reconnect() -> None:
         log.info("%s: reconnected to NATS", name)
 
+    result: list[Client] = []
+
+    async def attempt() -> None:
+        result.append(await _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect))
+        tg.cancel_scope.cancel()
+
+    async def watch_refusal() -> None:
+        await refused.wait()
+        tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(attempt)
+        tg.start_soon(watch_refusal)
+    if not result:
+        raise PermissionError(f"{name}: NATS at {url} refused the credentials (Authorization Violation)")
+    nc = result[0]
+    connected = True
+    nc._rlbus_denials = denials  # type: ignore[attr-defined]
+    return nc
+
+
+async def _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect) -> Client:  # noqa: ANN001
     return await nats.connect(
         url,
         name=name,
@@ -39,7 +183,26 @@ async def connect(url: str, *, name: str, ping_interval: float = 2.0, max_outsta
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
+        allow_reconnect=True,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        **auth.connect_kwargs(),  # type: ignore[arg-type]
     )
+
+
+async def drain(nc: Client, timeout: float = 5.0) -> None:
+    """Drain (in-flight messages finish) and close; a connection that cannot drain (closed,
+    reconnecting) is just closed. Never raises, never waits longer than `timeout`."""
+    if nc.is_closed:
+        return
+    with anyio.move_on_after(timeout, shield=True):
+        try:
+            await nc.drain()
+            return
+        except Exception as e:  # reconnecting, already closing...
+            log.debug("drain failed (%s); closing", e)
+    try:
+        await nc.close()
+    except Exception as e:
+        log.debug("close failed: %s", e)

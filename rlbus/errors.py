@@ -48,6 +48,12 @@ class Internal(RLBusError):
     code: ErrorCode = "INTERNAL"
 
 
+class PermissionDenied(RLBusError):
+    """The NATS server refused this identity a subject (see `rlbus nats-config`)."""
+
+    code: ErrorCode = "PERMISSION_DENIED"
+
+
 class TransportError(RLBusError):
     """A payload did not decode (service error header), not a refusal."""
 
@@ -56,7 +62,7 @@ class TransportError(RLBusError):
 
 _BY_CODE: dict[str, type[RLBusError]] = {
     cls.code: cls
-    for cls in (FailedPrecondition, InvalidArgument, DeadlineExceeded, Unavailable, Aborted, Internal)
+    for cls in (FailedPrecondition, InvalidArgument, DeadlineExceeded, Unavailable, Aborted, Internal, PermissionDenied)
 }
 
 

@@ -12,6 +12,7 @@ import anyio
 
 from rlbus.children import spawn
 from rlbus.client import RLClient
+from rlbus.connection import NatsAuth
 from rlbus.errors import DeadlineExceeded
 from rlbus.natsserver import NatsServer
 
@@ -22,7 +23,10 @@ class Fleet:
     def __init__(
         self, url: str, workers: int, worker_args: Sequence[str] = (), controller_args: Sequence[str] = (),
         log_level: str | None = None,
+        role_env: dict[str, dict[str, str]] | None = None,
     ) -> None:
+        self.role_env = role_env or {}
+        """Extra environment per role ("controller", "worker", "trainer"): credentials."""
         self.log_level = log_level
         self.url = url
         self.n_workers = workers
@@ -31,7 +35,7 @@ class Fleet:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        env = dict(os.environ, RLBUS_NATS_URL=self.url, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, RLBUS_NATS_URL=self.url, PYTHONUNBUFFERED="1", **self.role_env.get(args[0], {}))
         if self.log_level:
             env["RLBUS_LOG_LEVEL"] = self.log_level
         self.procs[name] = spawn([sys.executable, "-m", "rlbus", *args], env=env)
@@ -43,7 +47,9 @@ class Fleet:
 
     async def wait_ready(self, timeout: float = 120.0) -> RLClient:
         """Wait until every worker is registered with the controller; returns a connected client."""
-        rl = await RLClient.connect(self.url, timeout=5.0)
+        trainer = self.role_env.get("trainer", {})
+        auth = NatsAuth(user=trainer.get("RLBUS_NATS_USER"), password=trainer.get("RLBUS_NATS_PASSWORD")) if trainer else None
+        rl = await RLClient.connect(self.url, timeout=5.0, auth=auth)
         joined = await rl.nc.subscribe(rl.subjects.event("worker_joined"))
         try:
             with anyio.fail_after(timeout):
@@ -90,9 +96,9 @@ class Fleet:
         self.procs.clear()
 
 
-def embedded_or(url: str | None) -> tuple[str, NatsServer | None]:
+def embedded_or(url: str | None, config_file: str | os.PathLike[str] | None = None) -> tuple[str, NatsServer | None]:
     """The given URL, or a freshly started embedded server's."""
     if url:
         return url, None
-    server = NatsServer().start()
+    server = NatsServer(config_file=config_file).start()
     return server.url, server

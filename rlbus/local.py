@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from nats.aio.client import Client
 
-from rlbus.connection import connect
+from rlbus.connection import connect, drain
 from rlbus.services.controller.service import ControllerOptions, ControllerService
 from rlbus.services.worker.engine import Engine
 from rlbus.services.worker.service import WorkerOptions, WorkerService
@@ -56,9 +56,7 @@ class LocalFleet:
         """Stop one service the way SIGTERM would: drain, then close its connection."""
         svc.stop()
         await self._tasks.pop(svc)
-        nc = self._conns.pop(svc)
-        if not nc.is_closed:
-            await nc.drain()
+        await drain(self._conns.pop(svc))
         if svc is self.controller:
             self.controller = None
         else:

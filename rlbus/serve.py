@@ -10,7 +10,7 @@ from typing import Protocol
 import anyio
 from nats.aio.client import Client
 
-from rlbus.connection import connect
+from rlbus.connection import NatsAuth, connect, denials_of, drain
 
 log = logging.getLogger("rlbus.serve")
 
@@ -21,12 +21,34 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
 
-async def serve(url: str, name: str, make: Callable[[Client], Awaitable[Service] | Service]) -> None:
-    """Connect, run the service, stop it on a signal and drain the connection."""
-    nc = await connect(url, name=name)
+class ServiceDenied(SystemExit):
+    """The NATS server denied the service a subject it needs: a fatal misconfiguration."""
+
+
+async def serve(
+    url: str, name: str, make: Callable[[Client], Awaitable[Service] | Service], *, auth: NatsAuth | None = None
+) -> None:
+    """Connect, run the service, stop it on a signal and drain the connection.
+
+    A permission denial is fatal: the service stops and the process exits with status 2,
+    naming the subject (a service that silently cannot publish would lie about the fleet).
+    """
+    try:
+        nc = await connect(url, name=name, auth=auth)
+    except PermissionError as e:
+        log.error("%s", e)
+        raise ServiceDenied(2) from None
     svc = make(nc)
     if isinstance(svc, Awaitable):
         svc = await svc
+    denied: list[str] = []
+
+    def on_denied(action: str, subject: str) -> None:
+        log.error("%s: NATS denies %s to %s; check this service's credentials and role. Stopping.", name, action, subject)
+        denied.append(subject)
+        svc.stop()
+
+    denials_of(nc).on_denied = on_denied
     async with anyio.create_task_group() as tg:
 
         async def on_signal() -> None:
@@ -39,5 +61,6 @@ async def serve(url: str, name: str, make: Callable[[Client], Awaitable[Service]
         tg.start_soon(on_signal)
         await svc.run()
         tg.cancel_scope.cancel()
-    with anyio.move_on_after(5, shield=True):
-        await nc.drain()
+    await drain(nc)
+    if denied:
+        raise ServiceDenied(2)

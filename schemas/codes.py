@@ -14,6 +14,7 @@ ErrorCode = Literal[
     "UNAVAILABLE",  # no workers, or a worker is gone
     "ABORTED",  # the operation was cancelled (e.g. an update session was aborted)
     "INTERNAL",  # a bug or an unexpected fault; the message says where
+    "PERMISSION_DENIED",  # the NATS server refused this identity the subject (least-privilege config)
 ]
 
 ERROR_CODES: tuple[ErrorCode, ...] = (
@@ -23,6 +24,7 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
     "UNAVAILABLE",
     "ABORTED",
     "INTERNAL",
+    "PERMISSION_DENIED",
 )
 
 # Status code put in the NATS micro `Nats-Service-Error-Code` header when a payload

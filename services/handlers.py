@@ -110,6 +110,17 @@ class Endpoints:
 
         return on_request
 
+    def unknown(self, known: set[str]) -> Callable[[Request], Awaitable[None]]:
+        """A catch-all endpoint for `<...>.*`: a typed 400 for an operation that does not exist.
+        Known operations also arrive here; their own endpoint answers them."""
+
+        async def on_request(req: Request) -> None:
+            op = req.subject.rsplit(".", 1)[-1]
+            if op not in known and req._msg.reply:
+                await req.respond_error(UNDECODABLE_STATUS, f"unknown operation {op!r}; operations: {sorted(known)}")
+
+        return on_request
+
     def spawn(self, req: Request, work: Callable[[], Awaitable[bytes]]) -> None:
         self._in_flight += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle

@@ -133,9 +133,11 @@ class ControllerService:
                 metadata={"controller_id": self.id, "epoch": str(self.epoch)},
             )
             group = self._micro.add_group(name=f"{self.subjects.prefix}.control")
-            for op, handler in self._handlers().items():
+            handlers = self._handlers()
+            for op, handler in handlers.items():
                 # server_info reads memory only: answered inside the callback
                 await group.add_endpoint(name=op, subject=op, handler=eps.command(op, handler, inline=op == "server_info"))
+            await group.add_endpoint(name="unknown", subject="*", queue_group="rlbus-unknown", handler=eps.unknown(set(handlers)))
             subs = [
                 await self.nc.subscribe(self.subjects.worker_ready, cb=self._on_worker_event),
                 await self.nc.subscribe(self.subjects.worker_heartbeat, cb=self._on_worker_event),

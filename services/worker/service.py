@@ -162,10 +162,12 @@ class WorkerService:
                 metadata={"worker_id": self.id, "model": self.engine.model_name},
             )
             group = self._micro.add_group(name=f"{self.subjects.prefix}.worker.{self.id}")
-            for op, handler in self._handlers().items():
+            handlers = self._handlers()
+            for op, handler in handlers.items():
                 await group.add_endpoint(
                     name=op, subject=op, handler=eps.command(op, self._fenced(handler), inline=op in _INLINE_OPS)
                 )
+            await group.add_endpoint(name="unknown", subject="*", queue_group="rlbus-unknown", handler=eps.unknown(set(handlers)))
             await self._serve_generation(True)
             hello = await self.nc.subscribe(self.subjects.controller_hello, cb=self._on_hello)
             await self.nc.flush()
