@@ -16,7 +16,7 @@ from anyio.abc import TaskGroup
 from nats.micro.request import Request
 
 from rlbus.errors import Internal, RLBusError
-from rlbus.schemas import UNDECODABLE_STATUS, AnyCommand, Nack, command_decoder, encode
+from rlbus.schemas import UNDECODABLE_STATUS, AnyCommand, command_decoder, encode
 from rlbus.schemas.codec import DecodeError
 
 log = logging.getLogger("rlbus.services")

@@ -8,7 +8,6 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from rlbus.client import RLClient
 from rlbus.launcher import Fleet, embedded_or
 from rlbus.services.worker.model import ModelConfig
 

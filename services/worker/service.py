@@ -8,7 +8,6 @@ rl.worker.heartbeat and says goodbye on rl.worker.gone when it stops.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 import anyio
