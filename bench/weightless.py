@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 import torch
 
-from rlbus.schemas import DEFAULT_VERSION, GenerateRequest, PauseMode, SleepTag, UpdateTarget
-from rlbus.services.worker.engine import EngineStatus, GenerateResult, ParamSpec
+from rlbus.schemas import DEFAULT_VERSION, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.services.worker.engine import EngineStatus, ParamSpec
 
 
 class WeightlessEngine:
@@ -56,8 +56,8 @@ class WeightlessEngine:
             kv_cache_bytes=0,
         )
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        return GenerateResult(tokens=[], finish_reason="length", weight_version=self.weight_version)
+    async def generate(self, request: GenerateRequest) -> GenerateReply:
+        return GenerateReply(worker_id="", tokens=[], finish_reason="length", weight_version=self.weight_version)
 
     async def pause(self, mode: PauseMode) -> None:
         self._paused = True

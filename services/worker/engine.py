@@ -12,8 +12,7 @@ from typing import Protocol
 import msgspec
 import torch
 
-from rlbus.schemas import GenerateRequest, PauseMode, SleepTag, UpdateTarget
-from rlbus.schemas.generate import FinishReason
+from rlbus.schemas import GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -26,17 +25,6 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     waiting: int
     param_bytes: int
     kv_cache_bytes: int
-
-
-class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
-    tokens: list[int]
-    finish_reason: FinishReason
-    weight_version: str
-    draft_version: str | None = None
-    logprobs: list[float] | None = None
-    proposed: int = 0
-    accepted: int = 0
-    mean_accepted_length: float = 0.0
 
 
 class ParamSpec(msgspec.Struct, frozen=True):
@@ -71,7 +59,8 @@ class Engine(Protocol):
 
     def status(self) -> EngineStatus: ...
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+    async def generate(self, request: GenerateRequest) -> GenerateReply:
+        """The reply with worker_id left empty (the worker service fills it in)."""
 
     async def pause(self, mode: PauseMode) -> None:
         """Returns once the pause is in effect (wait: in-flight requests finished)."""

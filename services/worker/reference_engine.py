@@ -15,9 +15,9 @@ import anyio
 import torch
 
 from rlbus.errors import FailedPrecondition, InvalidArgument
-from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 
-from .engine import EngineStatus, GenerateResult, ParamSpec
+from .engine import EngineStatus, ParamSpec
 from .model import KVCache, ModelConfig, TinyLM
 
 StaleDraftPolicy = Literal["keep", "disable"]
@@ -225,7 +225,7 @@ class ReferenceEngine:
         if not req.temperature >= 0:
             raise InvalidArgument("temperature must be >= 0")
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    async def generate(self, request: GenerateRequest) -> GenerateReply:
         self._check_request(request)
         self._refuse_if_unservable()
         await self._wait_for_resume()
@@ -255,7 +255,7 @@ class ReferenceEngine:
             self._notify()
         self._refuse_if_unservable()
 
-    async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateResult:
+    async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateReply:
         version, draft_version = self.weight_version, self.draft_version
         gen = None
         if request.temperature > 0:
@@ -282,7 +282,8 @@ class ReferenceEngine:
         out = st.tokens[len(request.prompt_tokens):][: request.max_tokens]
         self.spec_proposed += st.proposed
         self.spec_accepted += st.accepted
-        return GenerateResult(
+        return GenerateReply(
+            worker_id="",
             tokens=out,
             finish_reason=finish,  # type: ignore[arg-type]
             weight_version=version,

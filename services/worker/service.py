@@ -27,7 +27,6 @@ from rlbus.schemas import (
     Capabilities,
     Commit,
     ControllerHello,
-    GenerateReply,
     GetStatus,
     Heartbeat,
     InitWeightTransfer,
@@ -114,27 +113,19 @@ class WorkerService:
         )
 
     def state(self) -> WorkerState:
-        s = self.engine.status()
+        e = self.engine
         return WorkerState(
             worker_id=self.id,
-            paused=s.paused,
-            pause_mode=s.pause_mode,
-            sleeping_tags=s.sleeping_tags,
-            sleep_level=s.sleep_level,
-            weights_loaded=s.weights_loaded,
-            in_flight=s.in_flight,
-            waiting=s.waiting,
-            weight_version=self.engine.weight_version,
-            draft_version=self.engine.draft_version,
-            param_bytes=s.param_bytes,
-            kv_cache_bytes=s.kv_cache_bytes,
-            dirty=self.engine.dirty,
+            **msgspec.structs.asdict(e.status()),
+            weight_version=e.weight_version,
+            draft_version=e.draft_version,
+            dirty=e.dirty,
             stale=self.stale,
             session_id=self.updates.session_id,
             transfer_ready=self.updates.transfer_ready,
-            draft_stale=self.engine.draft_stale,
-            spec_proposed=self.engine.spec_proposed,
-            spec_accepted=self.engine.spec_accepted,
+            draft_stale=e.draft_stale,
+            spec_proposed=e.spec_proposed,
+            spec_accepted=e.spec_accepted,
         )
 
     def ack(self) -> WorkerAck:
@@ -368,19 +359,7 @@ class WorkerService:
                 r = await self.engine.generate(gen)
             except RLBusError as e:
                 return encode(e.to_nack())
-            return encode(
-                GenerateReply(
-                    worker_id=self.id,
-                    tokens=r.tokens,
-                    finish_reason=r.finish_reason,
-                    weight_version=r.weight_version,
-                    draft_version=r.draft_version,
-                    logprobs=r.logprobs,
-                    proposed=r.proposed,
-                    accepted=r.accepted,
-                    mean_accepted_length=r.mean_accepted_length,
-                )
-            )
+            return encode(msgspec.structs.replace(r, worker_id=self.id))
 
         self._endpoints.spawn(req, work)
 

@@ -10,7 +10,7 @@ import torch
 
 from rlbus.errors import FailedPrecondition, InvalidArgument
 from rlbus.schemas import GenerateRequest
-from rlbus.services.worker.engine import GenerateResult
+from rlbus.schemas import GenerateReply
 from rlbus.services.worker.model import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from tests.waiting import eventually
@@ -24,7 +24,7 @@ def request(prompt: list[int] = PROMPTS[0], max_tokens: int = 8, **kw: object) -
     return GenerateRequest(prompt_tokens=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
 
 
-def start(engine: ReferenceEngine, prompts=PROMPTS, max_tokens: int = LONG) -> list[asyncio.Task[GenerateResult]]:  # noqa: ANN001
+def start(engine: ReferenceEngine, prompts=PROMPTS, max_tokens: int = LONG) -> list[asyncio.Task[GenerateReply]]:  # noqa: ANN001
     return [asyncio.create_task(engine.generate(request(p, max_tokens))) for p in prompts]
 
 
