@@ -4,10 +4,12 @@ killed outright, the kernel sends them SIGTERM)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,5 +24,15 @@ def _die_with_parent() -> None:
             pass
 
 
+# Linux sends the parent-death signal when the spawning *thread* exits, so children are
+# spawned from the main thread, or else from one spawner thread that lives as long as the process.
+_spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbus-spawner")
+
+
 def spawn(args: Sequence[str], **kw: Any) -> subprocess.Popen:  # type: ignore[type-arg]
-    return subprocess.Popen(list(args), start_new_session=True, preexec_fn=_die_with_parent, **kw)
+    def start() -> subprocess.Popen:  # type: ignore[type-arg]
+        return subprocess.Popen(list(args), start_new_session=True, preexec_fn=_die_with_parent, **kw)
+
+    if threading.current_thread() is threading.main_thread():
+        return start()
+    return _spawner.submit(start).result()

@@ -84,6 +84,8 @@ class RLClient:
         self._owns = owns_connection
         self._tx: TrainerTransfer | None = None
         self._init: TransferInit | None = None
+        self._group: list[str] = []
+        """Worker ids (rank order) the transfer group was built for."""
         self._pool: torch.Tensor | None = None
         self.bucket_bytes = 64 << 20
         """Bucket size for update_weights; set per call with bucket_bytes=."""
@@ -303,6 +305,7 @@ class RLClient:
                 raise DeadlineExceeded(f"weight-transfer group did not form: {e}") from None
             raise e
         self._tx, self._init = tx, init
+        self._group = [w.worker_id for w in ack.workers]
         return ack
 
     async def start_weight_update(self) -> FleetAck:
@@ -365,28 +368,36 @@ class RLClient:
         """Yield the committed version first, then each new one. Backed by JetStream KV, so
         a subscriber that was disconnected still ends on the current version."""
         import nats.js.errors
+        from nats.js.api import DeliverPolicy
 
+        js = self.nc.jetstream()
         try:
-            kv = await self.nc.jetstream().key_value(self.subjects.kv_bucket)
+            kv = await js.key_value(self.subjects.kv_bucket)
         except nats.js.errors.BucketNotFoundError:
             raise Unavailable("no controller has run on this prefix yet (no state bucket)") from None
-        watcher = await kv.watch("version")
         decoder = msgspec.json.Decoder(VersionInfo)
         try:
-            first = True
-            async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    if first:
-                        first = False
-                        yield VersionInfo(version=DEFAULT_VERSION)
+            entry = await kv.get("version")
+            seen, current = entry.revision or 0, decoder.decode(entry.value)
+        except nats.js.errors.KeyNotFoundError:
+            seen, current = 0, VersionInfo(version=DEFAULT_VERSION)
+        yield current
+        # An ordered consumer with a 1 s idle heartbeat notices a lost server within seconds
+        # and resumes after the last sequence it delivered.
+        sub = await js.subscribe(
+            f"$KV.{self.subjects.kv_bucket}.version", ordered_consumer=True, idle_heartbeat=1.0,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        )
+        try:
+            async for msg in sub.messages:
+                if msg.metadata.sequence.stream <= seen or not msg.data:
                     continue
-                if entry.value:
-                    first = False
-                    yield decoder.decode(entry.value)
+                seen = msg.metadata.sequence.stream
+                yield decoder.decode(msg.data)
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await watcher.stop()
+                    await sub.unsubscribe()
                 except Exception:  # the connection is already closing
                     pass
 
@@ -403,8 +414,9 @@ class RLClient:
         everywhere (old weights and version stay) and re-raises; the fleet is resumed."""
         paused = await self.pause(pause_mode)
         try:
-            if self._tx is None or not all(w.transfer_ready for w in paused.workers):
-                await self.init_weight_transfer()
+            fleet = [w.worker_id for w in paused.workers]
+            if self._tx is None or fleet != self._group or not all(w.transfer_ready for w in paused.workers):
+                await self.init_weight_transfer()  # no group yet, or the fleet changed since
             if draft:
                 await self.start_draft_weight_update()
             else:

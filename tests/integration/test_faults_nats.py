@@ -1,0 +1,228 @@
+"""NATS faults: the server restarted (idle, while paused, under a version watcher) and a
+connection that goes silent (a blackholed link) — on a nats-server of this module's own,
+since restarting the session's server would break every other module's fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import anyio
+import pytest
+from rlbus.schemas import GetServerInfo, ServerInfo, Subjects, VersionInfo
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
+
+from rlbus.client import RLClient
+from rlbus.local import LocalFleet
+from rlbus.natsserver import NatsServer
+from tests.waiting import eventually
+from tests.weights_helpers import (
+    MODEL,
+    assert_holds,
+    first_watched_version,
+    new_version,
+    settle,
+    trained,
+)
+
+WORKERS = ["w0", "w1"]
+LIVENESS_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    """This module's own server: the tests restart it (same port, same JetStream store)."""
+    with NatsServer() as s:
+        yield s
+
+
+def _worker_options(prefix: str, worker_id: str) -> WorkerOptions:
+    return WorkerOptions(worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm")
+
+
+@pytest.fixture(scope="module")
+async def fleet(server, prefix):
+    f = LocalFleet(server.url)
+    await f.start_controller(
+        ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=2.5, liveness_timeout_s=LIVENESS_S, lease_s=1.0)
+    )
+    for wid in WORKERS:
+        await f.start_worker(ReferenceEngine(MODEL), _worker_options(prefix, wid))
+    await f.wait_for_workers(WORKERS)
+    rl = await RLClient.connect(server.url, prefix=prefix, timeout=20.0)
+    await rl.init_weight_transfer(timeout_s=5)
+    yield f, rl
+    await rl.close()
+    await f.close()
+
+
+@pytest.fixture(autouse=True)
+async def settled(fleet):
+    yield
+    await settle(fleet[1])
+
+
+async def _restart(server: NatsServer) -> None:
+    # On the loop's own (main) thread, on purpose: rlbus.children sets PR_SET_PDEATHSIG, which
+    # fires when the *thread* that spawned the child exits, and anyio retires idle worker
+    # threads after 10 s, taking a server restarted from one with them.
+    server.restart()
+
+
+async def _answers_with(rl: RLClient, workers: Sequence[str]) -> ServerInfo | None:
+    """server_info, once the controller answers it and lists exactly `workers`."""
+    try:
+        info = await rl._call(GetServerInfo(), ServerInfo, timeout=1.0)
+    except Exception:  # noqa: BLE001 - reconnecting: an RLBusError, or the request may not even go out
+        return None
+    return info if sorted(w.worker_id for w in info.workers) == sorted(workers) else None
+
+
+async def _recovered(rl: RLClient, workers: Sequence[str] = WORKERS) -> ServerInfo:
+    return await eventually(lambda: _answers_with(rl, workers), timeout=20, interval=0.05,
+                            what=f"the controller answering with {list(workers)} after the restart")
+
+
+# ---- restarts ----------------------------------------------------------------------------------
+
+
+async def test_services_reconnect_after_a_restart_while_idle_and_keep_the_version(fleet, server):
+    f, rl = fleet
+    version, named = new_version("idle"), trained(1)
+    await rl.push_weights(named, version)
+    epoch = (await rl.server_info()).epoch
+
+    await _restart(server)
+    info = await _recovered(rl)
+
+    assert info.weight_version == version and info.session_id is None
+    assert info.epoch == epoch, "a reconnect is not a new controller"
+    assert await rl.get_weight_version() == version
+    assert await first_watched_version(rl) == version
+    for wid in f.workers:
+        assert_holds(f, wid, named)
+    after = new_version("idle")
+    ack = await rl.push_weights(trained(2), after)
+    assert ack.weight_version == after and sorted(w.worker_id for w in ack.workers) == WORKERS
+
+
+async def test_a_paused_fleet_stays_paused_across_a_restart_and_resumes(fleet, server):
+    f, rl = fleet
+    version = (await rl.server_info()).weight_version
+    await rl.pause("abort")
+    assert await rl.is_paused()
+
+    await _restart(server)
+    await _recovered(rl)
+
+    assert await rl.is_paused(), "a restart of NATS must not resume the fleet"
+    assert all(w.state().paused for w in f.workers.values())
+    await rl.resume()
+    assert not await rl.is_paused()
+    assert (await rl.generate([1, 2, 3], 4)).weight_version == version
+    assert await rl.get_weight_version() == version
+
+
+async def test_a_version_watcher_disconnected_by_a_restart_still_ends_on_the_current_version(fleet, server):
+    _, rl = fleet
+    current = (await rl.server_info()).weight_version
+    seen: list[VersionInfo] = []
+
+    async def watch() -> None:
+        async for v in rl.watch_versions():
+            seen.append(v)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await eventually(lambda: seen, timeout=10, what="the watcher's first version")
+        assert seen[0].version == current
+
+        await _restart(server)
+        await _recovered(rl)
+        after = new_version("v-after")
+        await rl.push_weights(trained(3), after)
+
+        # the watcher is an ordered consumer with a 1 s idle heartbeat: it notices the lost
+        # consumer within a few seconds and resumes after the last version it delivered
+        await eventually(lambda: seen[-1].version == after, timeout=6, interval=0.05,
+                         what=f"the watcher reaching {after} (saw {[v.version for v in seen]})")
+        tg.cancel_scope.cancel()
+    # re-deliveries of earlier versions are allowed, but never a version after the current one
+    assert [v.version for v in seen if v.version not in (current, after)] == []
+
+
+# ---- a blackholed connection -------------------------------------------------------------------
+
+
+class _Blackhole:
+    """A TCP proxy to the server that can swallow every byte both ways while keeping the
+    sockets open: a silent link, as a dead host or a dropped route looks, without root."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.holed = False
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> _Blackhole:  # noqa: PYI034
+        self._server = await asyncio.start_server(self._on_client, "127.0.0.1", 0)
+        self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:
+            w.close()
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    if not self.holed:
+                        w.write(data)
+                        await w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_a_blackholed_worker_is_detected_within_seconds_and_rejoins_when_the_link_returns(fleet, server, prefix):
+    f, rl = fleet
+    assert f.controller is not None and server.port is not None
+    async with _Blackhole(server.port) as hole:
+        far = LocalFleet(hole.url)  # only this worker's connection goes through the proxy
+        worker = await far.start_worker(ReferenceEngine(MODEL), _worker_options(prefix, "far"))
+        try:
+            await f.wait_for_workers(["far"])
+            await _recovered(rl, [*WORKERS, "far"])
+
+            hole.holed = True
+            holed = time.monotonic()
+            # the controller: missed heartbeats drop it after the liveness timeout
+            await eventually(lambda: "far" not in f.controller.registry, timeout=LIVENESS_S + 2,
+                             what="the controller dropping the silent worker")
+            # the worker itself: unanswered pings (every 2 s, 2 outstanding) mark the link dead
+            await eventually(lambda: not worker.nc.is_connected, timeout=9, interval=0.05,
+                             what="the worker's connection noticing the silent link")
+            assert time.monotonic() - holed < 9
+            assert sorted(w.worker_id for w in (await rl.pause()).workers) == WORKERS  # the rest still answers
+            await rl.resume()
+
+            hole.holed = False
+            await eventually(lambda: worker.nc.is_connected, timeout=15, interval=0.05, what="the worker reconnecting")
+            await _recovered(rl, [*WORKERS, "far"])
+        finally:
+            await far.kill(worker)
+    await eventually(lambda: "far" not in f.controller.registry, timeout=LIVENESS_S + 2, what="far gone again")
