@@ -236,8 +236,9 @@ class WorkerService:
                 raise FailedPrecondition(
                     f"command from controller epoch {cmd.epoch} refused: epoch {self.epoch} has taken over"
                 )
-            self.epoch = cmd.epoch
-            return await handler(cmd)
+            result = await handler(cmd)
+            self.epoch = max(self.epoch, cmd.epoch)  # only a command that ran moves the fence
+            return result
 
         return run
 

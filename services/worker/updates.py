@@ -18,7 +18,7 @@ import anyio
 import torch
 
 from rlbus.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
-from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget
+from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget, version_problem
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer
 from rlbus.transfer.buckets import validate
 from rlbus.transfer.factory import worker_transfer
@@ -187,6 +187,8 @@ class WeightUpdates:
     async def commit(self, session_id: str, version: str | None) -> None:
         """Phase 2 of finish: apply staged tensors, take the version, close the session."""
         s = self._open(session_id)
+        if version is not None and (problem := version_problem(version)):
+            raise InvalidArgument(problem)
         if s.receiving or s.failure is not None:
             raise Internal("commit before a successful prepare")
         if s.staged or s.received:
@@ -218,6 +220,8 @@ class WeightUpdates:
         return True
 
     def set_version(self, version: str) -> None:
+        if problem := version_problem(version):
+            raise InvalidArgument(problem)
         if self.session is not None:
             raise FailedPrecondition(f"session {self.session.session_id} is open; finish or abort it first")
         self.engine.weight_version = version

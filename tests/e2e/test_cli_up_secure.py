@@ -1,0 +1,139 @@
+"""`rlbus up --secure`: the embedded server runs a least-privilege config, the trainer's env
+file drives the CLI, and a worker's credentials cannot command the fleet.
+
+One `up` process for the module; the SIGTERM test stops it, so it is last.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlbus.natsconfig import read_env_file
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class SecureUp:
+    proc: subprocess.Popen[str]
+    url: str
+    trainer_env: Path
+    stderr: Path
+
+    def log(self) -> str:
+        return self.stderr.read_text(errors="replace")[-4000:]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_NATS_")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _rlbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rlbus", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory) -> Iterator[SecureUp]:  # noqa: ANN001
+    folder = tmp_path_factory.mktemp("up-secure")
+    stderr = folder / "up.log"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlbus", "up", "--secure", "--workers", "1", "--config-dir", str(folder / "conf")],
+            stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        found = _wait_for(proc, lines, stderr, ("NATS_URL=", "RLBUS_TRAINER_ENV="))
+        yield SecureUp(proc, found["NATS_URL="], Path(found["RLBUS_TRAINER_ENV="]), stderr)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_for(proc: subprocess.Popen[str], lines: queue.Queue[str | None], stderr: Path, keys: tuple[str, ...]) -> dict[str, str]:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    found: dict[str, str] = {}
+    while len(found) < len(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"`rlbus up --secure` printed only {sorted(found)} within {READY_TIMEOUT_S:g}s:\n{stderr.read_text()[-4000:]}")
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            continue
+        if line is None:
+            proc.wait(5)
+            pytest.fail(f"`rlbus up --secure` exited ({proc.returncode}) before it was ready:\n{stderr.read_text()[-4000:]}")
+        for k in keys:
+            if line.startswith(k):
+                found[k] = line.strip().split("=", 1)[1]
+    return found
+
+
+def test_secure_up_prints_the_url_and_a_private_trainer_env_file(up):
+    assert up.url.startswith("nats://127.0.0.1:")
+    assert up.trainer_env.is_file()
+    assert oct(up.trainer_env.stat().st_mode & 0o777) == oct(0o600)
+    assert read_env_file(up.trainer_env)["RLBUS_NATS_USER"] == "rlbus-trainer"
+
+
+def test_status_with_the_trainer_env_works(up):
+    result = _rlbus("status", "--nats-url", up.url, env=_env(**read_env_file(up.trainer_env)))
+    assert result.returncode == 0, result.stderr + up.log()
+    assert "worker-0" in result.stdout
+
+
+def test_status_without_credentials_is_refused(up):
+    result = _rlbus("status", "--nats-url", up.url, env=_env())
+    assert result.returncode != 0
+    assert "PERMISSION_DENIED" in result.stderr, result.stderr
+
+
+def test_pause_with_the_worker_credentials_is_permission_denied(up):
+    worker_env = read_env_file(up.trainer_env.parent / "worker.env")
+    result = _rlbus("pause", "--nats-url", up.url, env=_env(**worker_env))
+    assert result.returncode != 0
+    assert "PERMISSION_DENIED" in result.stderr, result.stderr
+    status = _rlbus("status", "--nats-url", up.url, env=_env(**read_env_file(up.trainer_env)))
+    assert status.returncode == 0, status.stderr
+    row = next(line for line in status.stdout.splitlines() if "worker-0" in line)
+    cells = [c.strip() for c in row.split("│") if c.strip()]
+    assert cells[0] == "worker-0" and cells[2] == "no", row  # the denied pause changed nothing
+
+
+def test_sigterm_stops_secure_up_with_exit_0(up):
+    # keep last: this stops the module's fleet
+    assert up.proc.poll() is None, up.log()
+    up.proc.send_signal(signal.SIGTERM)
+    try:
+        code = up.proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`rlbus up --secure` still running {STOP_TIMEOUT_S:g}s after SIGTERM:\n{up.log()}")
+    assert code == 0, up.log()

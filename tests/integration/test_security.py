@@ -1,0 +1,217 @@
+"""Least privilege on a real nats-server configured by `write_config`: every service runs with
+its own role's credentials, and each role is refused what it must not do — loudly, at once,
+and without changing the fleet.
+
+One server and one fleet (controller + 2 gloo workers, prefix `rl`) serve the module.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+import rlbus
+from rlbus.client import RLClient
+from rlbus.connection import NatsAuth, connect, denials_of, drain
+from rlbus.local import LocalFleet
+from rlbus.natsconfig import ROLES, read_env_file, write_config
+from rlbus.natsserver import NatsServer
+from rlbus.schemas import Pause, Subjects, encode
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
+from tests.waiting import eventually
+from tests.weights_helpers import MODEL, assert_holds, first_watched_version, new_version, trained
+
+PREFIX = "rl"
+WORKERS = ("w0", "w1")
+
+
+def _auth(env: dict[str, str]) -> NatsAuth:
+    return NatsAuth(user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"])
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_NATS_")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):  # noqa: ANN201
+    """(server, {role: env}) for a server whose only users are the four rlbus roles."""
+    paths = write_config(tmp_path_factory.mktemp("nats-secure"), prefix=PREFIX)
+    with NatsServer(config_file=paths["config"]) as server:
+        yield server, {r: read_env_file(paths[r]) for r in ROLES}
+
+
+@pytest.fixture(scope="module")
+async def fleet(secure):  # noqa: ANN201
+    """Controller and workers started with THEIR role credentials (read from RLBUS_NATS_*)."""
+    server, creds = secure
+    subjects = Subjects(prefix=PREFIX)
+    f = LocalFleet(server.url)
+    with pytest.MonkeyPatch.context() as mp:
+        for role, opts in [("controller", None)] + [("worker", w) for w in WORKERS]:
+            mp.setenv("RLBUS_NATS_USER", creds[role]["RLBUS_NATS_USER"])
+            mp.setenv("RLBUS_NATS_PASSWORD", creds[role]["RLBUS_NATS_PASSWORD"])
+            if opts is None:
+                await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10.0, liveness_timeout_s=1.5))
+            else:
+                await f.start_worker(
+                    ReferenceEngine(MODEL),
+                    WorkerOptions(worker_id=opts, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend="gloo"),
+                )
+    # bounded: a config that stops workers from answering shows here, not as a 2-minute hang
+    await eventually(lambda: all(w in f.controller.registry for w in WORKERS), timeout=20,
+                     what="every worker registered under least-privilege credentials")
+    yield f
+    await f.close()
+
+
+@pytest.fixture(scope="module")
+async def trainer(secure, fleet):  # noqa: ANN201
+    server, creds = secure
+    rl = await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["trainer"]))
+    yield rl
+    await rl.close()
+
+
+def _services_running(fleet: LocalFleet) -> bool:
+    return all(not t.done() for t in fleet._tasks.values())
+
+
+async def test_fleet_works_end_to_end_with_least_privilege(fleet, trainer):
+    info = await trainer.server_info()
+    assert [w.worker_id for w in info.workers] == list(WORKERS)
+
+    paused = await trainer.pause("wait")
+    assert all(w.paused for w in paused.workers)
+    resumed = await trainer.resume()
+    assert not any(w.paused for w in resumed.workers)
+
+    named = trained(11)
+    version = new_version("secure")
+    ack = await trainer.push_weights(named, version)
+    assert ack.weight_version == version
+    for wid in WORKERS:
+        assert_holds(fleet, wid, named)
+    assert (await trainer.server_info()).weight_version == version
+    assert await first_watched_version(trainer) == version  # KV read as the trainer
+
+    reply = await trainer.generate([1, 2, 3], 4)
+    assert reply.finish_reason == "length" and reply.weight_version == version
+    assert not denials_of(trainer.nc).seen
+    assert _services_running(fleet)
+
+
+async def test_a_worker_identity_cannot_send_control_commands(secure, fleet, trainer):
+    server, creds = secure
+    async with await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["worker"])) as rogue:
+        t0 = time.monotonic()
+        with pytest.raises(rlbus.PermissionDenied) as err:
+            await rogue.pause("abort")
+        took = time.monotonic() - t0
+    assert err.value.code == "PERMISSION_DENIED"
+    assert took < 5.0, f"the denial took {took:.1f}s; it must not wait for the call's timeout"
+    assert not await trainer.is_paused()
+    assert all(not w.engine.status().paused for w in fleet.workers.values())
+
+
+async def test_a_trainer_cannot_command_a_worker_directly(secure, fleet, trainer):
+    server, creds = secure
+    nc = await connect(server.url, name="rogue-trainer", auth=_auth(creds["trainer"]))
+    try:
+        rogue = RLClient(nc, subjects=Subjects(prefix=PREFIX), timeout=30.0)
+        subject = rogue.subjects.worker("w0", "pause")
+        t0 = time.monotonic()
+        with pytest.raises(rlbus.PermissionDenied):
+            await rogue._request(subject, encode(Pause(mode="abort", command_id="rogue")), 30.0)
+        assert time.monotonic() - t0 < 5.0
+        assert denials_of(nc).denied(subject)
+        assert ("publish", subject) in denials_of(nc).seen
+    finally:
+        await drain(nc)
+    states = (await trainer.server_info()).workers
+    assert not any(w.state.paused for w in states)
+    assert not fleet.workers["w0"].engine.status().paused
+
+
+async def test_a_wrong_password_is_refused_quickly(secure):
+    server, _ = secure
+    t0 = time.monotonic()
+    with pytest.raises(rlbus.PermissionDenied) as err:
+        await RLClient.connect(server.url, prefix=PREFIX, auth=NatsAuth(user="rlbus-trainer", password="wrong"))
+    assert err.value.code == "PERMISSION_DENIED"
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_the_cli_refuses_a_wrong_password_naming_permission_denied(secure):
+    server, _ = secure
+    result = subprocess.run(
+        [sys.executable, "-m", "rlbus", "status", "--nats-url", server.url,
+         "--nats-user", "rlbus-trainer", "--nats-password", "wrong"],
+        capture_output=True, text=True, timeout=60, env=_clean_env(),
+    )
+    assert result.returncode != 0
+    assert "PERMISSION_DENIED" in result.stderr, result.stderr
+
+
+async def test_an_observer_reads_the_version_but_cannot_pause(secure, fleet, trainer):
+    server, creds = secure
+    committed = (await trainer.server_info()).weight_version
+    async with await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["observer"])) as obs:
+        assert await first_watched_version(obs) == committed
+        t0 = time.monotonic()
+        with pytest.raises(rlbus.PermissionDenied):
+            await obs.pause()
+        assert time.monotonic() - t0 < 5.0
+    assert not await trainer.is_paused()
+
+
+def test_a_service_started_with_the_wrong_role_exits_2_naming_the_subject(secure, fleet):
+    server, creds = secure
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlbus", "worker", "--nats-url", server.url, "--id", "bad"],
+        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["trainer"]),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rl.worker.bad" in proc.stderr.lower() or "rl.worker.ready" in proc.stderr.lower(), proc.stderr[-3000:]
+    assert "denies" in proc.stderr or "denied" in proc.stderr.lower()
+
+
+def test_nats_config_cli_writes_private_files_a_server_accepts(tmp_path):
+    out = tmp_path / "conf"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlbus", "nats-config", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, env=_clean_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    files = {p.name: p for p in out.iterdir()}
+    assert set(files) == {"nats.conf", *(f"{r}.env" for r in ROLES)}
+    for p in files.values():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, f"{p.name} is {oct(p.stat().st_mode)}"
+    for r in ROLES:
+        env = read_env_file(files[f"{r}.env"])
+        assert env["RLBUS_NATS_USER"] == f"rlbus-{r}" and len(env["RLBUS_NATS_PASSWORD"]) >= 16
+    with NatsServer(config_file=files["nats.conf"]) as server:
+        assert server.running()
+        _check_login(server.url, read_env_file(files["trainer.env"]))
+
+
+def _check_login(url: str, env: dict[str, str]) -> None:
+    import anyio
+
+    async def login() -> None:
+        nc = await connect(url, name="login-check", auth=_auth(env))
+        await drain(nc)
+        with pytest.raises(PermissionError):
+            await connect(url, name="login-check", auth=NatsAuth(user=env["RLBUS_NATS_USER"], password="nope"))
+
+    anyio.run(login)
+
