@@ -74,9 +74,7 @@ def permissions(role: str, subjects: Subjects) -> dict[str, object]:
         return {
             "publish": {"allow": [subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone]},
             "subscribe": {"allow": [f"{p}.worker.*.*", subjects.controller_hello, subjects.generate, "$SRV.>"]},
-            # a command reaches a worker twice (its endpoint and the unknown-op catch-all, which
-            # stays silent for known ops); the server counts both deliveries against the reply
-            "allow_responses": {"max": 2},
+            "allow_responses": True,  # one reply to each command it receives
         }
     if role == "observer":
         return {

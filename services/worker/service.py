@@ -157,7 +157,8 @@ class WorkerService:
                 await group.add_endpoint(
                     name=op, subject=op, handler=eps.command(op, self._fenced(handler), inline=op in _INLINE_OPS)
                 )
-            await group.add_endpoint(name="unknown", subject="*", queue_group="rlbus-unknown", handler=eps.unknown(set(handlers)))
+            # No unknown-op catch-all here (the controller has one): it would deliver every
+            # command twice on the hot path; an unknown worker op gets NATS' no-responders.
             await self._serve_generation(True)
             hello = await self.nc.subscribe(self.subjects.controller_hello, cb=self._on_hello)
             await self.nc.flush()
