@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--receivers", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="in_place", choices=["in_place", "staged"])
-    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=int, default=16)
     a = ap.parse_args()
     torch.set_num_threads(1)
     cfg = config_for(a.size_mb)

@@ -69,6 +69,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 log = logging.getLogger("rlbus.client")
 
+# Buckets sized to the transport (measured with bench/push.py on CPU: 8-16 MiB pipelines
+# best over gloo's TCP; NCCL wants large messages to reach link bandwidth).
+BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 16 << 20, "nccl": 256 << 20}
+
 # NATS' default max_payload is 1 MiB; metadata messages are split well below it.
 _MAX_META_BYTES = 512 * 1024
 
@@ -87,8 +91,8 @@ class RLClient:
         self._group: list[str] = []
         """Worker ids (rank order) the transfer group was built for."""
         self._pool: torch.Tensor | None = None
-        self.bucket_bytes = 64 << 20
-        """Bucket size for update_weights; set per call with bucket_bytes=."""
+        self.bucket_bytes: int | None = None
+        """Bucket size for update_weights (None: sized to the transport, see BUCKET_BYTES)."""
 
     @classmethod
     async def connect(
@@ -328,7 +332,8 @@ class RLClient:
         if tx is None:
             raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
         named = [(n, t.detach().to("cpu") if t.device.type != "cpu" else t.detach()) for n, t in named_tensors]
-        plan = prepare(named, bucket_bytes or self.bucket_bytes)
+        size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self._init.backend if self._init else "gloo"]
+        plan = prepare(named, size)
         packed = await anyio.to_thread.run_sync(lambda: pack_all(plan, named, pool=self._pool))
         self._pool = packed.pool
         ack: FleetAck | None = None

@@ -151,11 +151,17 @@ def send_buckets(tx: TrainerTransfer, p: Plan, named: Named | Mapping[str, torch
             h.wait()
 
 
+Landing = Callable[[BucketMeta, Sequence[ParamMeta]], "torch.Tensor | None"]
+
+
 def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], sink: Sink,
-                 *, scratch: list[torch.Tensor] | None = None) -> None:
+                 *, scratch: list[torch.Tensor] | None = None, landing: Landing | None = None) -> None:
     """Receive every bucket, verify its checksum, and call ``sink(name, view)`` per tensor.
 
-    ``view`` aliases a reused receive buffer: the sink must copy it before returning.
+    ``view`` aliases a reused receive buffer: the sink must copy it before returning —
+    unless ``landing(bucket, metas)`` gave a buffer of its own for that bucket (exactly
+    ``bucket.nbytes`` of contiguous uint8, e.g. the tensor's final memory): then the bytes
+    are received straight into it and the views alias it.
     A bucket whose checksum does not match is not passed to the sink; the remaining
     buckets are still received (so the group stays in step with the trainer) and
     ChecksumMismatch is raised at the end, naming the first bad bucket. Validate the
@@ -171,12 +177,22 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
     if not buckets:
         return
     bad: list[tuple[int, str, str]] = []
-    pending = rx.recv(bufs[0][: buckets[0].nbytes])
+
+    def dest(k: int) -> torch.Tensor:
+        # a landing buffer (the tensor's final memory) saves the copy out of scratch
+        got = landing(buckets[k], per_bucket[k]) if landing is not None else None
+        if got is not None and got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous():
+            return got
+        return bufs[k % 2][: buckets[k].nbytes]
+
+    buf_next = dest(0)
+    pending = rx.recv(buf_next)
     for k, meta in enumerate(buckets):
         pending.wait()
-        buf = bufs[k % 2][: meta.nbytes]
+        buf = buf_next
         if k + 1 < len(buckets):
-            pending = rx.recv(bufs[(k + 1) % 2][: buckets[k + 1].nbytes])
+            buf_next = dest(k + 1)
+            pending = rx.recv(buf_next)
         got = checksum(buf)
         if got != meta.checksum:
             bad.append((k, meta.checksum, got))

@@ -20,7 +20,7 @@ import torch
 from rlbus.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget, version_problem
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer
-from rlbus.transfer.buckets import validate
+from rlbus.transfer.buckets import as_bytes, validate
 from rlbus.transfer.factory import worker_transfer
 from rlbus.transfer.stream import recv_buckets
 
@@ -144,19 +144,37 @@ class WeightUpdates:
             s.done = anyio.Event()
         s.receiving += 1
         live = self.engine.parameters_of(s.target)
+        landed: set[int] = set()
+
+        def landing(bucket: BucketMeta, metas: Sequence[ParamMeta]) -> torch.Tensor | None:
+            """Receive straight into final memory: the live parameter (in_place, a bucket that
+            is exactly one contiguous tensor) or a fresh buffer that becomes the staged copy."""
+            if self.mode == "staged":
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            elif len(metas) == 1 and metas[0].offset == 0 and metas[0].nbytes == bucket.nbytes and live[metas[0].name].is_contiguous():
+                s.touched = True
+                buf = as_bytes(live[metas[0].name])
+            else:
+                return None
+            landed.add(buf.data_ptr())
+            return buf
 
         def sink(name: str, view: torch.Tensor) -> None:
+            in_place_already = view.untyped_storage().data_ptr() in landed
             if self.mode == "in_place":
                 s.touched = True
-                live[name].copy_(view)
+                if not in_place_already:
+                    live[name].copy_(view)
             else:
-                s.staged[name] = view.clone()
+                s.staged[name] = view if in_place_already else view.clone()
             s.received.add(name)
 
         async def run() -> None:
             try:
                 async with self._recv_lock:
-                    await anyio.to_thread.run_sync(recv_buckets, rx, list(params), list(buckets), sink, abandon_on_cancel=True)
+                    await anyio.to_thread.run_sync(
+                        lambda: recv_buckets(rx, list(params), list(buckets), sink, landing=landing), abandon_on_cancel=True
+                    )
             except ChecksumMismatch as e:
                 s.failure = s.failure or e
             except TransferError as e:
