@@ -172,10 +172,16 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
     validate(params, buckets)
     per_bucket = by_bucket(params, len(buckets))
     biggest = max((b.nbytes for b in buckets), default=0)
-    bufs = scratch if scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest \
-        else alloc_buffers(biggest)
     if not buckets:
         return
+    bufs: list[torch.Tensor] = []
+
+    def scratch_for(k: int) -> torch.Tensor:
+        # allocated (and pre-touched) only once a bucket has no landing buffer of its own
+        if not bufs:
+            usable = scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest
+            bufs.extend(scratch if usable else alloc_buffers(biggest))  # type: ignore[arg-type]
+        return bufs[k % 2][: buckets[k].nbytes]
     bad: list[tuple[int, str, str]] = []
 
     def dest(k: int) -> torch.Tensor:
@@ -183,7 +189,7 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
         got = landing(buckets[k], per_bucket[k]) if landing is not None else None
         if got is not None and got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous():
             return got
-        return bufs[k % 2][: buckets[k].nbytes]
+        return scratch_for(k)
 
     buf_next = dest(0)
     pending = rx.recv(buf_next)
