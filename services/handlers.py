@@ -89,11 +89,14 @@ class Endpoints:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def command(self, op: str, handler: CommandHandler, *, inline: bool = False) -> Callable[[Request], Awaitable[None]]:
+    def command(
+        self, op: str, handler: CommandHandler, *, inline: bool | Callable[[AnyCommand], bool] = False
+    ) -> Callable[[Request], Awaitable[None]]:
         """A micro endpoint handler for `op` that decodes, runs `handler` and replies.
 
-        inline=True answers inside the NATS callback: only for handlers that never wait
-        (no lock, no I/O beyond their reply), where a task would cost more than the work.
+        inline=True (or a predicate of the command) answers inside the NATS callback: only
+        for handlers that will not wait (no lock, no I/O beyond their reply), where a task
+        would cost more than the work.
         Everything else runs as a task the service owns, so the callback returns at once.
         """
 
@@ -103,7 +106,8 @@ class Endpoints:
             except DecodeError as e:
                 await req.respond_error(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}")
                 return
-            if inline and cmd.command_id not in self.replies:
+            now = inline(cmd) if callable(inline) else inline
+            if now and cmd.command_id not in self.replies:
                 await self._reply(req, lambda: self._answer(handler, cmd), counted=False)
             else:
                 self.spawn(req, lambda: self._answer(handler, cmd))

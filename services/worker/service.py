@@ -154,9 +154,8 @@ class WorkerService:
             group = self._micro.add_group(name=f"{self.subjects.prefix}.worker.{self.id}")
             handlers = self._handlers()
             for op, handler in handlers.items():
-                await group.add_endpoint(
-                    name=op, subject=op, handler=eps.command(op, self._fenced(handler), inline=op in _INLINE_OPS)
-                )
+                inline: bool | Callable[[AnyCommand], bool] = self._idle if op == "pause" else op in _INLINE_OPS
+                await group.add_endpoint(name=op, subject=op, handler=eps.command(op, self._fenced(handler), inline=inline))
             # No unknown-op catch-all here (the controller has one): it would deliver every
             # command twice on the hot path; an unknown worker op gets NATS' no-responders.
             await self._serve_generation(True)
@@ -230,6 +229,10 @@ class WorkerService:
             "update_weight_version": self._update_weight_version,
             "sync": self._sync,
         }
+
+    def _idle(self, cmd: AnyCommand) -> bool:
+        """No request in flight: a pause in any mode returns at once, so it can run inline."""
+        return self.engine.status().in_flight == 0
 
     def _fenced(self, handler: Callable[[AnyCommand], Awaitable[object]]) -> Callable[[AnyCommand], Awaitable[object]]:
         async def run(cmd: AnyCommand) -> object:
