@@ -135,6 +135,7 @@ async def connect(
     auth = auth or NatsAuth.from_env()
     denials = Denials()
     refused = anyio.Event()
+    reason: list[Exception] = []
     connected = False
 
     async def on_error(e: Exception) -> None:
@@ -142,8 +143,10 @@ async def connect(
         if m:
             log.error("%s: NATS denied %s to %s", name, m.group(1), m.group(2))
             denials.report(m.group(1).lower(), m.group(2))
-        elif "authorization" in str(e).lower() and not connected:
-            refused.set()  # wrong credentials: fail the connect instead of retrying forever
+        elif not connected and ("authorization" in str(e).lower() or isinstance(e, ssl.SSLError)):
+            # wrong credentials or an untrusted certificate: fail the connect, don't retry forever
+            reason.append(e)
+            refused.set()
         else:
             log.warning("%s: NATS error: %s", name, e)
 
@@ -167,6 +170,8 @@ async def connect(
         tg.start_soon(attempt)
         tg.start_soon(watch_refusal)
     if not result:
+        if reason and isinstance(reason[0], ssl.SSLError):
+            raise PermissionError(f"{name}: TLS with NATS at {url} failed: {reason[0]} (check --nats-tls-ca)")
         raise PermissionError(f"{name}: NATS at {url} refused the credentials (Authorization Violation)")
     nc = result[0]
     connected = True
