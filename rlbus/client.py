@@ -218,14 +218,7 @@ class RLClient:
             raise Unavailable("no worker serves generation (no responders)") from None
         except (NatsTimeout, TimeoutError):
             raise DeadlineExceeded(f"no generation reply within {t:g}s") from None
-        _raise_for_service_error("generate", msg)
-        try:
-            reply = generate_reply_decoder.decode(msg.data)
-        except DecodeError as e:
-            raise Internal(f"undecodable generate reply: {e}") from None
-        if isinstance(reply, Nack):
-            raise from_nack(reply)
-        return reply
+        return _decode("generate", msg, GenerateReply, generate_reply_decoder)
 
 
     # ---- weight transfer -------------------------------------------------------------
@@ -469,10 +462,11 @@ def _raise_for_service_error(op: str, msg: Any) -> None:
         raise TransportError(f"{op}: {headers.get('Nats-Service-Error', 'service error')} (code {headers['Nats-Service-Error-Code']})")
 
 
-def _decode(op: str, msg: Any, expect: type[T]) -> T:
+def _decode(op: str, msg: Any, expect: type[T], decoder: Any = reply_decoder) -> T:
+    """The typed reply, or the exception for its Nack / service error."""
     _raise_for_service_error(op, msg)
     try:
-        reply = reply_decoder.decode(msg.data)
+        reply = decoder.decode(msg.data)
     except DecodeError as e:
         raise Internal(f"undecodable reply to {op}: {e}") from None
     if isinstance(reply, Nack):
