@@ -91,6 +91,7 @@ class RLClient:
         self._group: list[str] = []
         """Worker ids (rank order) the transfer group was built for."""
         self._pool: torch.Tensor | None = None
+        self._pool_of: object = None
         self.bucket_bytes: int | None = None
         """Bucket size for update_weights (None: sized to the transport, see BUCKET_BYTES)."""
 
@@ -327,6 +328,11 @@ class RLClient:
         named = [(n, t.detach().to("cpu") if t.device.type != "cpu" else t.detach()) for n, t in named_tensors]
         size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self._init.backend if self._init else "gloo"]
         plan = prepare(named, size)
+        if self._pool is None or self._pool.numel() < plan.total_bytes or self._pool_of is not tx:
+            # a transport that can share the trainer's memory (shm) packs straight into it
+            alloc = getattr(tx, "alloc", None)
+            self._pool = alloc(plan.total_bytes) if alloc is not None else None
+            self._pool_of = tx
         packed = await anyio.to_thread.run_sync(lambda: pack_all(plan, named, pool=self._pool))
         self._pool = packed.pool
         ack: FleetAck | None = None

@@ -113,6 +113,24 @@ class ShmTrainer:
         self._seq = 0
         self._acked: set[int] = set()
         self._workers = 0
+        self._pools: list[_Segment] = []
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer in shared memory. Buckets sent from it are not copied into a slot:
+        workers copy straight out of it (one copy per worker instead of two). It lives until
+        close(); do not modify a region until the send of it was waited on."""
+        assert self._init is not None, "bind() first"
+        seg = _Segment.create(f"{segment_name(self._init.group_name, self._gen)}-p{len(self._pools)}", nbytes)
+        self._pools.append(seg)
+        return seg.data[:nbytes]
+
+    def _in_pool(self, buf: torch.Tensor) -> tuple[_Segment, int] | None:
+        ptr = buf.data_ptr()
+        for seg in self._pools:
+            base = seg.data.data_ptr()
+            if base <= ptr and ptr + buf.numel() <= base + seg.data.numel():
+                return seg, ptr - base
+        return None
 
     def bind(self, init: TransferInit) -> TransferInit:
         """Host the rendezvous store now (port 0 = a free one); return init with the port."""
@@ -146,6 +164,12 @@ class ShmTrainer:
         if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise TransferError("buckets travel as contiguous CPU uint8 tensors")
         k, n = self._seq, buf.numel()
+        pooled = self._in_pool(buf)
+        if pooled is not None:  # already in shared memory: announce where, copy nothing
+            seg, off = pooled
+            self._store.call(f"announcing bucket {k}", self._store.store.set, f"shm/ready/{k}", f"{seg.name}|{off}|{n}")
+            self._seq += 1
+            return _Ack(self, k)
         if self._seg is None or n > self._slot:
             for j in range(max(0, k - 2), k):
                 self._wait_ack(j)
@@ -184,10 +208,13 @@ class ShmTrainer:
                 pass
 
     def close(self) -> None:
-        """Unlink the segment and stop hosting the store; never waits for workers."""
+        """Unlink the segments and stop hosting the store; never waits for workers."""
         if self._seg is not None:
             self._seg.close()
             self._seg = None
+        for seg in self._pools:
+            seg.close()
+        self._pools = []
         self._store = _NotOpen()
         self._raw = None
         self._init = None
@@ -207,7 +234,7 @@ class ShmWorker:
     def __init__(self) -> None:
         self._store: _Store | _NotOpen = _NotOpen()
         self._raw: dist.TCPStore | None = None
-        self._seg: _Segment | None = None
+        self._segs: dict[str, _Segment] = {}
         self._workers = 0
         self._posted: dict[int, torch.Tensor] = {}
         self._seq = 0
@@ -254,22 +281,21 @@ class ShmWorker:
         off, n = int(off_s), int(n_s)
         if n != buf.numel():
             raise TransferError(f"bucket {k} has {n} bytes, the receive buffer {buf.numel()}")
-        if self._seg is None or self._seg.name != name:
-            if self._seg is not None:
-                self._seg.close()
+        seg = self._segs.get(name)
+        if seg is None:
             try:
-                self._seg = _Segment.attach(name)
+                seg = self._segs[name] = _Segment.attach(name)
             except OSError as e:
                 raise TransferError(f"cannot map shared memory {name!r} (same host?): {e}") from e
-        buf.copy_(self._seg.data[off : off + n])
+        buf.copy_(seg.data[off : off + n])
         if self._store.call(f"acking bucket {k}", store.add, f"shm/ack/{k}", 1) == self._workers:
             self._store.call(f"acking bucket {k}", store.set, f"shm/acked/{k}", "1")
 
     def close(self) -> None:
-        """Unmap (never unlink) the segment and disconnect."""
-        if self._seg is not None:
-            self._seg.close()
-            self._seg = None
+        """Unmap (never unlink) the segments and disconnect."""
+        for seg in self._segs.values():
+            seg.close()
+        self._segs = {}
         self._posted.clear()
         self._store = _NotOpen()
         self._raw = None
