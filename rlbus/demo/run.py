@@ -68,17 +68,17 @@ def run_demo(
                     f"draft {info.capabilities.has_draft_model}"
                 )
                 with Progress(
-                    TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
+                    TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=12), TextColumn("{task.fields[stats]}"),
                     TimeElapsedColumn(), console=console,
                 ) as bar:
                     task = bar.add_task("train", total=steps, stats="")
 
                     def on_step(g: StepLog) -> None:
-                        acc = f" accept {g.acceptance:.0%}" if g.acceptance is not None else ""
+                        acc = f" acc {g.acceptance:.0%}" if g.acceptance is not None else ""
                         bar.update(
                             task, advance=1,
-                            stats=f"reward {g.reward:.2f} eval {g.eval_reward:.2f} | {g.version} | "
-                                  f"sync {g.sync_s * 1000:.0f} ms {g.bytes_pushed / 2**20:.2f} MiB |{acc} | dropped {g.dropped}",
+                            stats=f"rew {g.reward:.2f}/{g.eval_reward:.2f} {g.version} "
+                                  f"sync {g.sync_s * 1000:.0f}ms {g.bytes_pushed / 2**20:.1f}MiB{acc} drop {g.dropped}",
                         )
 
                     trainer = Trainer(rl, cfg, on_step=on_step)
