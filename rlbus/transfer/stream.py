@@ -95,22 +95,42 @@ def checksums(p: Plan, named: Named | Mapping[str, torch.Tensor]) -> list[Bucket
     return [BucketMeta(index=k, nbytes=buf.numel(), checksum=c) for k, buf, c in pack_and_checksum(p, named)]
 
 
-def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.Tensor | None = None) -> Packed:
-    """Pack every bucket once into a pool (reused when big enough) and hash it."""
-    lookup = _lookup(named)
+def pool_layout(p: Plan) -> tuple[list[int], int]:
+    """Offsets of every bucket in a packing pool, and the pool's size."""
     offsets, end = [], 0
     for size in p.bucket_sizes:
         offsets.append(end)
         end = align_up(end + size)
+    return offsets, end
+
+
+def pool_views(p: Plan, pool: torch.Tensor) -> list[torch.Tensor]:
+    """Bucket ``k``'s region of a pool at least ``pool_layout(p)[1]`` bytes long."""
+    offsets, end = pool_layout(p)
+    if pool.numel() < end:
+        raise PlanError(f"pool of {pool.numel()} bytes is smaller than the plan's {end}")
+    return [pool[off : off + size] for off, size in zip(offsets, p.bucket_sizes)]
+
+
+def pack_range(p: Plan, named: Named | Mapping[str, torch.Tensor], buffers: Sequence[torch.Tensor],
+               first: int, last: int) -> list[BucketMeta]:
+    """Pack and hash buckets first..last-1 into their pool regions; other regions untouched,
+    so the next range can be packed while this one is on the wire."""
+    lookup = _lookup(named)
+    metas = []
+    for k in range(first, last):
+        pack(k, p.per_bucket[k], lookup, buffers[k])
+        metas.append(BucketMeta(index=k, nbytes=p.bucket_sizes[k], checksum=checksum(buffers[k])))
+    return metas
+
+
+def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.Tensor | None = None) -> Packed:
+    """Pack every bucket once into a pool (reused when big enough) and hash it."""
+    _, end = pool_layout(p)
     if pool is None or pool.numel() < end:
         pool = torch.empty(end, dtype=torch.uint8)
-    buffers, metas = [], []
-    for k, (off, size) in enumerate(zip(offsets, p.bucket_sizes)):
-        out = pool[off : off + size]
-        pack(k, p.per_bucket[k], lookup, out)
-        buffers.append(out)
-        metas.append(BucketMeta(index=k, nbytes=size, checksum=checksum(out)))
-    return Packed(plan=p, pool=pool, buffers=buffers, buckets=metas)
+    buffers = pool_views(p, pool)
+    return Packed(plan=p, pool=pool, buffers=buffers, buckets=pack_range(p, named, buffers, 0, len(buffers)))
 
 
 def send_packed(tx: TrainerTransfer, packed: Packed) -> None:

@@ -55,3 +55,10 @@ async def test_corrupted_bytes_over_shm_abort_the_finish_and_keep_the_old_weight
 
 async def test_shape_mismatch_over_shm_is_refused_naming_the_tensor_before_any_byte_moves(fleet):
     await check_shape_mismatch_is_refused_before_bytes_move(*fleet, seed=71)
+
+
+async def test_the_trainer_packs_straight_into_shared_memory_so_workers_copy_once(fleet):
+    f, rl = fleet
+    await check_push_weights_is_bit_identical(f, rl, seed=81)
+    assert rl._tx is not None and rl._pool is not None
+    assert rl._tx._in_pool(rl._pool) is not None, "the packing pool is not the transport's shared memory"
