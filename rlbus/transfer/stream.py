@@ -112,16 +112,30 @@ def pool_views(p: Plan, pool: torch.Tensor) -> list[torch.Tensor]:
     return [pool[off : off + size] for off, size in zip(offsets, p.bucket_sizes)]
 
 
-def pack_range(p: Plan, named: Named | Mapping[str, torch.Tensor], buffers: Sequence[torch.Tensor],
+def pack_range(p: Plan, named: Named | Mapping[str, torch.Tensor], buffers: list[torch.Tensor],
                first: int, last: int) -> list[BucketMeta]:
-    """Pack and hash buckets first..last-1 into their pool regions; other regions untouched,
-    so the next range can be packed while this one is on the wire."""
+    """Pack and hash buckets first..last-1 into their pool regions (`buffers` is updated in
+    place). A bucket that is exactly one contiguous CPU tensor is not copied at all: its
+    buffer becomes a byte view of the tensor itself."""
     lookup = _lookup(named)
     metas = []
     for k in range(first, last):
-        pack(k, p.per_bucket[k], lookup, buffers[k])
+        direct = _sole_tensor(p.per_bucket[k], p.bucket_sizes[k], lookup)
+        if direct is not None:
+            buffers[k] = direct
+        else:
+            pack(k, p.per_bucket[k], lookup, buffers[k])
         metas.append(BucketMeta(index=k, nbytes=p.bucket_sizes[k], checksum=checksum(buffers[k])))
     return metas
+
+
+def _sole_tensor(metas: Sequence[ParamMeta], size: int, lookup: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    if len(metas) != 1 or metas[0].offset != 0 or metas[0].nbytes != size:
+        return None
+    t = lookup[metas[0].name]
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.Tensor | None = None) -> Packed:
@@ -130,7 +144,8 @@ def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.
     if pool is None or pool.numel() < end:
         pool = torch.empty(end, dtype=torch.uint8)
     buffers = pool_views(p, pool)
-    return Packed(plan=p, pool=pool, buffers=buffers, buckets=pack_range(p, named, buffers, 0, len(buffers)))
+    metas = pack_range(p, named, buffers, 0, len(buffers))
+    return Packed(plan=p, pool=pool, buffers=buffers, buckets=metas)
 
 
 def send_packed(tx: TrainerTransfer, packed: Packed) -> None:
