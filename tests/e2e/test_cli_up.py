@@ -7,13 +7,9 @@ so it is the last test of the module.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.client import RLClient
+from tests.e2e.upproc import STOP_TIMEOUT_S, running_up
 
-READY_TIMEOUT_S = 90.0
-STOP_TIMEOUT_S = 30.0
 WORKERS = ["worker-0", "worker-1"]
 
 
@@ -77,54 +72,10 @@ def _rlbus(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture(scope="module")
-def up() -> Iterator[Up]:
-    fd, name = tempfile.mkstemp(prefix="rlbus-up-", suffix=".log")
-    os.close(fd)
-    stderr = Path(name)
-    with stderr.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlbus", "up", "--workers", "2"],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
-        )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        url = _wait_for_url(proc, lines, stderr)
-        children = _children(proc.pid)
-        yield Up(proc, url, children, stderr)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        stderr.unlink(missing_ok=True)
-
-
-def _wait_for_url(proc: subprocess.Popen[str], lines: queue.Queue[str | None], stderr: Path) -> str:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            pytest.fail(f"`rlbus up` printed no NATS_URL within {READY_TIMEOUT_S:g}s:\n{stderr.read_text()[-4000:]}")
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            continue
-        if line is None:
-            proc.wait(5)
-            pytest.fail(f"`rlbus up` exited ({proc.returncode}) before it was ready:\n{stderr.read_text()[-4000:]}")
-        if line.startswith("NATS_URL="):
-            return line.strip().split("=", 1)[1]
+def up(tmp_path_factory) -> Iterator[Up]:  # noqa: ANN001
+    stderr = tmp_path_factory.mktemp("up") / "up.log"
+    with running_up(["--workers", "2"], _env(), stderr, ("NATS_URL=",)) as (proc, found):
+        yield Up(proc, found["NATS_URL="], _children(proc.pid), stderr)
 
 
 async def test_up_prints_the_url_once_every_worker_is_registered(up):

@@ -7,12 +7,9 @@ One `up` process for the module; the SIGTERM test stops it, so it is last.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.natsconfig import read_env_file
+from tests.e2e.upproc import STOP_TIMEOUT_S, running_up
 
-READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -50,51 +46,9 @@ def _rlbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def up(tmp_path_factory) -> Iterator[SecureUp]:  # noqa: ANN001
     folder = tmp_path_factory.mktemp("up-secure")
     stderr = folder / "up.log"
-    with stderr.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlbus", "up", "--secure", "--workers", "1", "--config-dir", str(folder / "conf")],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
-        )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        found = _wait_for(proc, lines, stderr, ("NATS_URL=", "RLBUS_TRAINER_ENV="))
+    args = ["--secure", "--workers", "1", "--config-dir", str(folder / "conf")]
+    with running_up(args, _env(), stderr, ("NATS_URL=", "RLBUS_TRAINER_ENV=")) as (proc, found):
         yield SecureUp(proc, found["NATS_URL="], Path(found["RLBUS_TRAINER_ENV="]), stderr)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_for(proc: subprocess.Popen[str], lines: queue.Queue[str | None], stderr: Path, keys: tuple[str, ...]) -> dict[str, str]:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    found: dict[str, str] = {}
-    while len(found) < len(keys):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            pytest.fail(f"`rlbus up --secure` printed only {sorted(found)} within {READY_TIMEOUT_S:g}s:\n{stderr.read_text()[-4000:]}")
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            continue
-        if line is None:
-            proc.wait(5)
-            pytest.fail(f"`rlbus up --secure` exited ({proc.returncode}) before it was ready:\n{stderr.read_text()[-4000:]}")
-        for k in keys:
-            if line.startswith(k):
-                found[k] = line.strip().split("=", 1)[1]
-    return found
 
 
 def test_secure_up_prints_the_url_and_a_private_trainer_env_file(up):
