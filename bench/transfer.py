@@ -130,10 +130,13 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--receivers", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=16, help="rlbus bucket size (RLClient uses 16 MiB on gloo)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker_main()
+    global BUCKET
+    BUCKET = a.bucket_mb << 20
     size = a.size_mb << 20
     receivers = [int(x) for x in a.receivers.split(",")]
     flat = torch.ones(size, dtype=torch.uint8)
