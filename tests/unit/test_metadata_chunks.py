@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlbus.client import _MAX_META_BYTES, _chunks
+from rlbus.updates import _MAX_META_BYTES, _chunks
 from rlbus.schemas import UpdateWeights, encode
 from rlbus.transfer.stream import prepare
 
