@@ -130,6 +130,17 @@ async def test_pause_and_resume_commands_change_the_fleet_state(up):
         assert not await rl.is_paused()
 
 
+def test_version_command_shows_and_sets_the_fleet_version(up):
+    shown = _rlbus("version", "--nats-url", up.url)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "default"
+    changed = _rlbus("version", "--nats-url", up.url, "--set", "v-from-cli")
+    assert changed.returncode == 0 and changed.stdout.strip() == "v-from-cli", changed.stderr
+    refused = _rlbus("version", "--nats-url", up.url, "--set", "bad\tversion")
+    assert refused.returncode != 0 and "INVALID_ARGUMENT" in refused.stderr
+    assert "v-from-cli" in _rlbus("status", "--nats-url", up.url).stdout
+
+
 def test_a_command_with_no_controller_exits_nonzero_naming_unavailable(nats_server):
     # the session's server runs no controller under the default prefix
     result = _rlbus("status", "--nats-url", nats_server.url)
