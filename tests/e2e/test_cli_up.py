@@ -7,7 +7,6 @@ so it is the last test of the module.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlbus.client import RLClient
-from tests.e2e.upproc import STOP_TIMEOUT_S, running_up
+from tests.e2e.upproc import running_up, sigterm_exit_code
 
 WORKERS = ["worker-0", "worker-1"]
 
@@ -153,12 +152,7 @@ def test_sigterm_stops_up_and_every_child_and_exits_0(up):
     assert up.proc.poll() is None, up.log()
     assert all(_alive(pid) for pid in up.children), up.children
 
-    up.proc.send_signal(signal.SIGTERM)
-    try:
-        code = up.proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`rlbus up` still running {STOP_TIMEOUT_S:g}s after SIGTERM:\n{up.log()}")
-
+    code = sigterm_exit_code(up.proc, up.log())
     assert code == 0, up.log()
     left = {pid: cmd for pid, cmd in up.children.items() if _alive(pid)}
     assert not left, f"children left running: {left}"

@@ -7,7 +7,6 @@ One `up` process for the module; the SIGTERM test stops it, so it is last.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlbus.natsconfig import read_env_file
-from tests.e2e.upproc import STOP_TIMEOUT_S, running_up
+from tests.e2e.upproc import running_up, sigterm_exit_code
 
 
 
@@ -85,9 +84,5 @@ def test_pause_with_the_worker_credentials_is_permission_denied(up):
 def test_sigterm_stops_secure_up_with_exit_0(up):
     # keep last: this stops the module's fleet
     assert up.proc.poll() is None, up.log()
-    up.proc.send_signal(signal.SIGTERM)
-    try:
-        code = up.proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`rlbus up --secure` still running {STOP_TIMEOUT_S:g}s after SIGTERM:\n{up.log()}")
+    code = sigterm_exit_code(up.proc, up.log())
     assert code == 0, up.log()

@@ -63,3 +63,12 @@ def _wait_for(proc: subprocess.Popen[str], lines: queue.Queue[str | None], stder
             if line.startswith(k):
                 found[k] = line.strip().split("=", 1)[1]
     return found
+
+
+def sigterm_exit_code(proc: subprocess.Popen[str], log: str) -> int:
+    """Send SIGTERM and return the exit code; fail if it is still running after STOP_TIMEOUT_S."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`rlbus up` still running {STOP_TIMEOUT_S:g}s after SIGTERM:\n{log}")
