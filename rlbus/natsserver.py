@@ -112,8 +112,9 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """terminate -> wait -> kill; the child is always reaped."""
+    def stop(self, timeout: float = 5.0, *, keep_store: bool = False) -> None:
+        """terminate -> wait -> kill; the child is always reaped. With keep_store, a store
+        this server made itself survives, for start_again()."""
         proc, self._proc = self._proc, None
         if proc is not None:
             if proc.poll() is None:
@@ -125,19 +126,16 @@ class NatsServer:
                     proc.wait()
             else:
                 proc.wait()
-        if self._own_store is not None:
+        if self._own_store is not None and not keep_store:
             self._own_store.cleanup()
             self._own_store = None
             self._store_dir = None
 
-    def restart(self) -> None:
-        """Stop and start again on the same port and store (JetStream state kept)."""
-        port = self.port
-        own = self._own_store
-        self._own_store = None  # keep the store across the restart
-        self.stop()
-        self._own_store = own
-        self.requested_port = port if port is not None else -1
+    def start_again(self) -> None:
+        """Start a stopped server on the port and store it had (JetStream state kept); the
+        port may take a moment to be free again."""
+        if self.port is not None:
+            self.requested_port = self.port
         deadline = time.monotonic() + self.ready_timeout
         while True:
             try:
@@ -146,6 +144,11 @@ class NatsServer:
             except NatsServerError:
                 if time.monotonic() > deadline:
                     raise
+
+    def restart(self) -> None:
+        """Stop and start again on the same port and store (JetStream state kept)."""
+        self.stop(keep_store=True)
+        self.start_again()
 
     def __enter__(self) -> "NatsServer":
         return self.start()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -44,6 +44,7 @@ else:
     _Base = object
 
 log = logging.getLogger("rlbus.client")
+T = TypeVar("T")
 
 # Buckets sized to the transport (measured with bench/push.py on CPU: 8-16 MiB pipelines
 # best over gloo's TCP; NCCL wants large messages to reach link bandwidth).
@@ -208,29 +209,32 @@ class WeightUpdateCalls(_Base):
 
     async def watch_versions(self) -> AsyncIterator[VersionInfo]:
         """Yield the committed version first, then each new one. Backed by JetStream KV, so
-        a subscriber that was disconnected still ends on the current version."""
+        a subscriber that was disconnected, even while it was still subscribing, still ends
+        on the current version."""
         import nats.js.errors
         from nats.js.api import DeliverPolicy
 
-        js = self.nc.jetstream()
+        # A short API timeout: a request lost in a server restart is retried within seconds.
+        js = self.nc.jetstream(timeout=_WATCH_API_TIMEOUT_S)
         try:
-            kv = await js.key_value(self.subjects.kv_bucket)
+            kv = await _retry_transient(self, lambda: js.key_value(self.subjects.kv_bucket))
         except nats.js.errors.BucketNotFoundError:
             raise Unavailable("no controller has run on this prefix yet (no state bucket)") from None
-        decoder = msgspec.json.Decoder(VersionInfo)
-        try:
-            entry = await kv.get("version")
-            seen, current = entry.revision or 0, decoder.decode(entry.value)
-        except nats.js.errors.KeyNotFoundError:
-            seen, current = 0, VersionInfo(version=DEFAULT_VERSION)
-        yield current
+        # Subscribe before reading the current value, so no commit falls between the two.
         # An ordered consumer with a 1 s idle heartbeat notices a lost server within seconds
         # and resumes after the last sequence it delivered.
-        sub = await js.subscribe(
+        sub = await _retry_transient(self, lambda: js.subscribe(
             f"$KV.{self.subjects.kv_bucket}.version", ordered_consumer=True, idle_heartbeat=1.0,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-        )
+        ))
         try:
+            decoder = msgspec.json.Decoder(VersionInfo)
+            try:
+                entry = await _retry_transient(self, lambda: kv.get("version"))
+                seen, current = entry.revision or 0, decoder.decode(entry.value)
+            except nats.js.errors.KeyNotFoundError:
+                seen, current = 0, VersionInfo(version=DEFAULT_VERSION)
+            yield current
             async for msg in sub.messages:
                 if msg.metadata.sequence.stream <= seen or not msg.data:
                     continue
@@ -304,3 +308,25 @@ def torch_empty_bytes(n: int) -> "torch.Tensor":
     import torch
 
     return torch.empty(n, dtype=torch.uint8)
+
+
+_WATCH_API_TIMEOUT_S = 2.0
+
+
+async def _retry_transient(client: Any, call: Callable[[], Awaitable[T]]) -> T:
+    """Run a JetStream API call, retrying while the server is away (a restart, a reconnect):
+    a long-lived watcher must outlive those. Gives up only when the connection is closed."""
+    import nats.errors
+    import nats.js.errors
+
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError,
+                nats.errors.ConnectionReconnectingError) as e:
+            if client.nc.is_closed:
+                raise Unavailable(f"the NATS connection is closed ({e!r})") from e
+            log.info("JetStream call failed while the server is away (%r); retrying", e)
+            await anyio.sleep(delay)  # back-off between retries, not a wait for a condition
+            delay = min(delay * 2, 1.0)

@@ -148,11 +148,34 @@ async def test_a_version_watcher_disconnected_by_a_restart_still_ends_on_the_cur
 
         # the watcher is an ordered consumer with a 1 s idle heartbeat: it notices the lost
         # consumer within a few seconds and resumes after the last version it delivered
-        await eventually(lambda: seen[-1].version == after, timeout=6, interval=0.05,
+        await eventually(lambda: seen[-1].version == after, timeout=15, interval=0.05,
                          what=f"the watcher reaching {after} (saw {[v.version for v in seen]})")
         tg.cancel_scope.cancel()
     # re-deliveries of earlier versions are allowed, but never a version after the current one
     assert [v.version for v in seen if v.version not in (current, after)] == []
+
+
+async def test_a_version_watcher_started_while_the_server_is_down_yields_once_it_is_back(fleet, server, caplog):
+    _, rl = fleet
+    current = (await rl.server_info()).weight_version
+    server.stop(keep_store=True)
+    await eventually(lambda: rl.nc.is_reconnecting, timeout=10, what="the client noticing the server is gone")
+    watcher = rl.watch_versions()
+    caplog.set_level("INFO", logger="rlbus.client")
+    first = asyncio.ensure_future(anext(watcher))
+    try:
+        await eventually(lambda: "retrying" in caplog.text, timeout=15,
+                         what="the watcher's setup failing while the server is down")
+        assert not first.done()
+        server.start_again()  # on the loop thread, as _restart explains
+        assert (await asyncio.wait_for(first, 20)).version == current
+        await _recovered(rl)
+        after = new_version("v-back")
+        await rl.push_weights(trained(4), after)
+        assert (await asyncio.wait_for(anext(watcher), 15)).version == after
+    finally:
+        first.cancel()
+        await watcher.aclose()
 
 
 # ---- a blackholed connection -------------------------------------------------------------------
