@@ -15,6 +15,7 @@ from rlbus.errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
+    PermissionDenied,
     RLBusError,
     Unavailable,
 )
@@ -224,7 +225,8 @@ class WeightUpdateCalls(_Base):
         # An ordered consumer with a 1 s idle heartbeat notices a lost server within seconds
         # and resumes after the last sequence it delivered.
         sub = await _retry_transient(self, lambda: js.subscribe(
-            f"$KV.{self.subjects.kv_bucket}.version", ordered_consumer=True, idle_heartbeat=1.0,
+            f"$KV.{self.subjects.kv_bucket}.version", stream=f"KV_{self.subjects.kv_bucket}",
+            ordered_consumer=True, idle_heartbeat=1.0,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         ))
         try:
@@ -315,16 +317,25 @@ _WATCH_API_TIMEOUT_S = 2.0
 
 async def _retry_transient(client: Any, call: Callable[[], Awaitable[T]]) -> T:
     """Run a JetStream API call, retrying while the server is away (a restart, a reconnect):
-    a long-lived watcher must outlive those. Gives up only when the connection is closed."""
+    a long-lived watcher must outlive those. Gives up when the connection is closed, and at
+    once when the server denied the call (a denial looks like a timeout to nats-py)."""
     import nats.errors
     import nats.js.errors
 
+    from rlbus.connection import denials_of
+
+    denials = denials_of(client.nc)
     delay = 0.05
     while True:
+        before = len(denials.seen)
         try:
             return await call()
         except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError,
                 nats.errors.ConnectionReconnectingError) as e:
+            denied = [s for _, s in denials.seen[before:] if s.startswith("$js.")]
+            if denied:
+                raise PermissionDenied(f"the NATS server denies this identity the JetStream API {denied[0]}; "
+                                       "check its credentials and role") from None
             if client.nc.is_closed:
                 raise Unavailable(f"the NATS connection is closed ({e!r})") from e
             log.info("JetStream call failed while the server is away (%r); retrying", e)
