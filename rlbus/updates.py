@@ -49,7 +49,10 @@ T = TypeVar("T")
 
 # Buckets sized to the transport (measured with bench/push.py on CPU: 8-16 MiB pipelines
 # best over gloo's TCP; NCCL wants large messages to reach link bandwidth).
-BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 16 << 20, "nccl": 256 << 20}
+# Buckets sized to the transport: gloo pipelines best around 16 MiB; shm pays a store round
+# trip per bucket and copies straight out of the pool, so larger buckets win (bench/transfer.py:
+# 64 MiB reached ~1.0x memcpy where 16 MiB reached ~0.5x); nccl amortises its launches.
+BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 64 << 20, "nccl": 256 << 20}
 
 # NATS' default max_payload is 1 MiB; metadata messages are split well below it.
 _MAX_META_BYTES = 512 * 1024

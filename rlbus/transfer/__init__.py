@@ -43,6 +43,7 @@ from rlbus.transfer.stream import (
     send_all,
     send_buckets,
     send_packed,
+    sole_tensor_bytes,
 )
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "send_all",
     "send_buckets",
     "send_packed",
+    "sole_tensor_bytes",
     "torch_dtype",
     "trainer_transfer",
     "unpack",

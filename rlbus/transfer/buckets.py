@@ -1,7 +1,7 @@
 """Bucket planning and packing: many named tensors <-> a few fixed-size byte buffers.
 
-A plan assigns every tensor, in input order, a byte range inside a bucket; each
-range starts on a 64-byte boundary so the bytes can be viewed back as any dtype
+A plan assigns every tensor a byte range inside a bucket (big tensors alone, small ones
+packed in input order); each range starts on a 64-byte boundary so the bytes can be viewed back as any dtype
 without copying. Pad bytes are zeroed, so a bucket's checksum depends only on the
 tensors' bytes.
 """
@@ -60,26 +60,32 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * torch_dtype(dtype).itemsize
 
 
-def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[ParamMeta], list[int]]:
-    """Assign every tensor a 64-byte-aligned range in a bucket, in input order.
+SOLO_FRACTION = 2
+"""A tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own."""
 
-    A bucket never exceeds ``bucket_bytes`` unless one tensor alone is larger: that
-    tensor then gets a bucket of its own, of exactly its aligned size. Returns the
-    ParamMeta list (input order) and the byte size of every bucket.
+
+def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[ParamMeta], list[int]]:
+    """Assign every tensor a 64-byte-aligned range in a bucket.
+
+    A tensor of at least half a bucket travels alone, in a bucket of exactly its size (larger than ``bucket_bytes`` if the tensor is): it is sent straight from the
+    tensor's memory and, where the receiver can, lands straight in its destination, so
+    it is never copied and never splits a shared bucket. The smaller tensors are packed,
+    in input order, into shared buckets of at most ``bucket_bytes``. Returns the ParamMeta
+    list (input order) and the byte size of every bucket (numbered in order of first use).
     """
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
     metas: list[ParamMeta] = []
     sizes: list[int] = []
     seen: set[str] = set()
-    end = 0  # bytes used in the open bucket; the open bucket is index len(sizes)
-    open_bucket = False
+    shared: int | None = None  # index of the open shared bucket
+    end = 0  # bytes used in it
 
     def close() -> None:
-        nonlocal end, open_bucket
-        if open_bucket:
-            sizes.append(min(align_up(end), bucket_bytes))
-        end, open_bucket = 0, False
+        nonlocal shared
+        if shared is not None:
+            sizes[shared] = min(align_up(end), bucket_bytes)
+        shared = None
 
     for name, t in named:
         if name in seen:
@@ -88,17 +94,18 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[
         dtype = dtype_name(t.dtype)
         nbytes = t.numel() * t.element_size()
         shape = list(t.shape)
-        if nbytes > bucket_bytes:
-            close()
+        if nbytes and nbytes * SOLO_FRACTION >= bucket_bytes:
             metas.append(ParamMeta(name=name, dtype=dtype, shape=shape, bucket=len(sizes), offset=0, nbytes=nbytes))
-            sizes.append(align_up(nbytes))
+            sizes.append(nbytes)  # exactly the tensor: sent from it and landed in it as they are
             continue
         offset = align_up(end)
-        if open_bucket and offset + nbytes > bucket_bytes:
+        if shared is not None and offset + nbytes > bucket_bytes:
             close()
-            offset = 0
-        metas.append(ParamMeta(name=name, dtype=dtype, shape=shape, bucket=len(sizes), offset=offset, nbytes=nbytes))
-        end, open_bucket = offset + nbytes, True
+        if shared is None:
+            shared, offset = len(sizes), 0
+            sizes.append(0)
+        metas.append(ParamMeta(name=name, dtype=dtype, shape=shape, bucket=shared, offset=offset, nbytes=nbytes))
+        end = offset + nbytes
     close()
     return metas, sizes
 

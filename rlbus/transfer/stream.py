@@ -120,7 +120,7 @@ def pack_range(p: Plan, named: Named | Mapping[str, torch.Tensor], buffers: list
     lookup = _lookup(named)
     metas = []
     for k in range(first, last):
-        direct = _sole_tensor(p.per_bucket[k], p.bucket_sizes[k], lookup)
+        direct = sole_tensor_bytes(p.per_bucket[k], p.bucket_sizes[k], lookup)
         if direct is not None:
             buffers[k] = direct
         else:
@@ -129,11 +129,14 @@ def pack_range(p: Plan, named: Named | Mapping[str, torch.Tensor], buffers: list
     return metas
 
 
-def _sole_tensor(metas: Sequence[ParamMeta], size: int, lookup: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+def sole_tensor_bytes(metas: Sequence[ParamMeta], size: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of a bucket that is exactly one contiguous CPU tensor, as a uint8 view of
+    that tensor's own memory (None otherwise). The trainer sends such a bucket from the
+    tensor itself; an in_place worker receives it straight into its live parameter."""
     if len(metas) != 1 or metas[0].offset != 0 or metas[0].nbytes != size:
         return None
-    t = lookup[metas[0].name]
-    if t.device.type != "cpu" or not t.is_contiguous():
+    t = tensors.get(metas[0].name)
+    if t is None or t.device.type != "cpu" or not t.is_contiguous():
         return None
     return t.detach().reshape(-1).view(torch.uint8)
 

@@ -20,9 +20,9 @@ import torch
 from rlbus.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget, version_problem
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer
-from rlbus.transfer.buckets import as_bytes, validate
+from rlbus.transfer.buckets import validate
 from rlbus.transfer.factory import worker_transfer
-from rlbus.transfer.stream import recv_buckets
+from rlbus.transfer.stream import recv_buckets, sole_tensor_bytes
 
 from .engine import Engine
 
@@ -151,11 +151,12 @@ class WeightUpdates:
             is exactly one contiguous tensor) or a fresh buffer that becomes the staged copy."""
             if self.mode == "staged":
                 buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            elif len(metas) == 1 and metas[0].offset == 0 and metas[0].nbytes == bucket.nbytes and live[metas[0].name].is_contiguous():
-                s.touched = True
-                buf = as_bytes(live[metas[0].name])
             else:
-                return None
+                got = sole_tensor_bytes(metas, bucket.nbytes, live)
+                if got is None:
+                    return None
+                s.touched = True
+                buf = got
             landed.add(buf.data_ptr())
             return buf
 

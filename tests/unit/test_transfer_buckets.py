@@ -73,15 +73,31 @@ def test_plan_keeps_input_order_and_aligns_every_offset():
     metas, sizes = plan(mixed_model(), 256)
     assert [m.name for m in metas] == [n for n, _ in mixed_model()]
     assert all(m.offset % ALIGN == 0 for m in metas)
-    assert [m.bucket for m in metas] == sorted(m.bucket for m in metas)
-    assert len(sizes) == metas[-1].bucket + 1
+    shared = [m for m in metas if len([o for o in metas if o.bucket == m.bucket]) > 1]
+    assert [(m.bucket, m.offset) for m in shared] == sorted((m.bucket, m.offset) for m in shared)
+    assert sorted({m.bucket for m in metas}) == list(range(len(sizes)))
+
+
+def test_a_tensor_of_half_a_bucket_or_more_travels_alone_and_small_ones_share_around_it():
+    named = [("a", torch.zeros(10)), ("half", torch.zeros(25)), ("b", torch.zeros(10)),
+             ("big", torch.zeros(300)), ("c", torch.zeros(10))]
+    metas, sizes = plan(named, 200)
+    by_name = {m.name: m for m in metas}
+    for solo in ("half", "big"):
+        m = by_name[solo]
+        assert m.offset == 0 and [o.name for o in metas if o.bucket == m.bucket] == [solo]
+        assert sizes[m.bucket] == m.nbytes
+    # the small tensors are not split up by the big ones between them: one shared bucket
+    assert by_name["a"].bucket == by_name["b"].bucket == by_name["c"].bucket
+    assert [by_name[n].offset for n in "abc"] == [0, 64, 128]
+    assert len(sizes) == 3
 
 
 def test_bucket_plan_never_exceeds_bucket_size_except_for_one_big_tensor():
     named = [("a", torch.zeros(10)), ("big", torch.zeros(1000)), ("b", torch.zeros(30)), ("c", torch.zeros(30))]
     metas, sizes = plan(named, 200)
     big = next(m for m in metas if m.name == "big")
-    assert sizes[big.bucket] == 4032  # 4000 bytes, aligned up to 64
+    assert sizes[big.bucket] == 4000  # exactly the tensor
     assert [m.name for m in metas if m.bucket == big.bucket] == ["big"]
     for k, size in enumerate(sizes):
         if k != big.bucket:
@@ -89,9 +105,9 @@ def test_bucket_plan_never_exceeds_bucket_size_except_for_one_big_tensor():
             assert all(m.offset + m.nbytes <= size for m in metas if m.bucket == k)
 
 
-def test_big_tensor_bucket_is_its_aligned_size():
+def test_a_tensor_travelling_alone_has_a_bucket_of_exactly_its_size():
     _, sizes = plan([("x", torch.zeros(1001, dtype=torch.uint8))], 100)
-    assert sizes == [1024]
+    assert sizes == [1001]
 
 
 def test_pad_bytes_are_zeroed_so_checksums_are_deterministic():
