@@ -27,6 +27,7 @@ from rlbus.transfer import (
     recv_buckets,
     send_buckets,
     send_packed,
+    sole_tensor_bytes,
     trainer_transfer,
     worker_transfer,
 )
@@ -97,6 +98,37 @@ def collect(params, buckets) -> Callable:
         recv_buckets(rx, params, buckets, lambda n, v: got.__setitem__(n, v.clone()))
         return got
     return worker
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_destination(backend):
+    named = model()
+    p = prepare(named, BUCKET)
+    packed = pack_all(p, named)
+    lookup = dict(named)
+    solo = {ms[0].name for ms in p.per_bucket if len(ms) == 1 and lookup[ms[0].name].numel() * lookup[ms[0].name].element_size() * 2 >= BUCKET}
+    assert solo == {"big"}
+    big_bucket = next(m.bucket for m in p.params if m.name == "big")
+    assert packed.buffers[big_bucket].data_ptr() == lookup["big"].data_ptr(), "sent from the tensor itself, not a copy"
+
+    def worker(rx, rank):
+        dst = {n: torch.zeros_like(t) for n, t in named}
+        copied: set[str] = set()
+
+        def sink(name, view):
+            if view.data_ptr() != dst[name].data_ptr():
+                dst[name].copy_(view)
+                copied.add(name)
+        recv_buckets(rx, p.params, packed.buckets, sink,
+                     landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst))
+        return dst, copied
+
+    for got in run_threads(new_init(backend, 2), lambda tx: send_packed(tx, packed), worker):
+        assert not isinstance(got, BaseException), got
+        dst, copied = got
+        assert all(torch.equal(dst[n], t) for n, t in named)
+        assert "big" not in copied, "received straight into the destination tensor"
+        assert copied == set(lookup) - {"big"}, "shared buckets go through scratch and are copied out"
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
