@@ -43,7 +43,7 @@ from rlbus.transfer import (
 from rlbus.transfer.buckets import as_bytes, torch_dtype
 
 BUCKET = 16 << 20
-SHM_BUCKET = 64 << 20
+SHM_BUCKET = 128 << 20
 
 
 def mixed_model(total: int, count: int, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--receivers", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16, help="gloo bucket size (RLClient uses 16 MiB on gloo)")
-    ap.add_argument("--shm-bucket-mb", type=int, default=64, help="shm bucket size (RLClient uses 64 MiB on shm)")
+    ap.add_argument("--shm-bucket-mb", type=int, default=128, help="shm bucket size (RLClient uses 128 MiB on shm)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:

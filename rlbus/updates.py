@@ -49,10 +49,11 @@ T = TypeVar("T")
 
 # Buckets sized to the transport (measured with bench/push.py on CPU: 8-16 MiB pipelines
 # best over gloo's TCP; NCCL wants large messages to reach link bandwidth).
-# Buckets sized to the transport: gloo pipelines best around 16 MiB; shm pays a store round
-# trip per bucket and copies straight out of the pool, so larger buckets win (bench/transfer.py:
-# 64 MiB reached ~1.0x memcpy where 16 MiB reached ~0.5x); nccl amortises its launches.
-BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 64 << 20, "nccl": 256 << 20}
+# Buckets sized to the transport: gloo pipelines best around 16 MiB; shm pays store round
+# trips per bucket and copies straight out of the pool, so larger buckets win (bench/transfer.py,
+# vs memcpy: 16 MiB 0.5-0.8x with one receiver; 64 MiB ~0.95x with one, 0.6-0.75x with two;
+# 128 MiB 0.8-0.97x with one, 0.76-0.88x with two); nccl amortises its launches.
+BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 128 << 20, "nccl": 256 << 20}
 
 # NATS' default max_payload is 1 MiB; metadata messages are split well below it.
 _MAX_META_BYTES = 512 * 1024
