@@ -166,6 +166,12 @@ async def received_everything(fleet: LocalFleet) -> None:
 # ---- scenarios shared by backends ----------------------------------------------------------
 
 
+async def assert_no_session_recorded(fleet: LocalFleet) -> None:
+    """KV records no open session, so a controller started next finds no orphan to abort."""
+    assert fleet.controller is not None and fleet.controller.store is not None
+    assert await fleet.controller.store.session() is None
+
+
 async def check_push_weights_is_bit_identical(fleet: LocalFleet, rl: RLClient, seed: int) -> str:
     """push_weights -> bit-identical parameters everywhere, version committed and reported."""
     before = tokens_of(await generate_all(rl))
@@ -181,6 +187,7 @@ async def check_push_weights_is_bit_identical(fleet: LocalFleet, rl: RLClient, s
         assert fleet.workers[wid].engine.weight_version == version
     info = await rl.server_info()
     assert info.weight_version == version and info.session_id is None
+    await assert_no_session_recorded(fleet)
     assert all(w.state.weight_version == version and not w.stale for w in info.workers)
     assert await rl.get_weight_version() == version
     assert await first_watched_version(rl) == version
@@ -251,6 +258,7 @@ async def check_corrupted_bytes_abort_the_finish(fleet: LocalFleet, rl: RLClient
             assert fleet.workers[wid].updates.session is None
         info = await rl.server_info()
         assert info.weight_version == old_version and info.session_id is None
+        await assert_no_session_recorded(fleet)
         assert await first_watched_version(rl) == old_version
         assert tokens_of(await generate_all(rl)) == before
 

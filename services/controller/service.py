@@ -78,6 +78,7 @@ class ControllerService(WeightUpdateHandlers):
         self.store: StateStore | None = None
         self.version = VersionInfo(version="default")
         self.session: S.SessionState = S.Idle()
+        self._kv_session: str | None = None  # the open session KV records (weights.py)
         self._lock = anyio.Lock()
         self._stop = anyio.Event()
         self._micro: Service | None = None

@@ -53,10 +53,14 @@ class WeightUpdateHandlers(_Base):
         return out
 
     async def _set_session(self, state: S.SessionState) -> None:
-        before = self._session_id()
+        """Move to `state` and keep KV's record of the open session in step with it. Compared
+        with what KV holds, not with the previous in-memory state: finish and its failure
+        paths step through Committing/Failed in memory before settling here."""
         self.session = state
-        if self.store is not None and before != self._session_id():
-            await self.store.put_session(self._session_id())
+        sid = self._session_id()
+        if self.store is not None and sid != self._kv_session:
+            await self.store.put_session(sid)
+            self._kv_session = sid
 
     async def _abort_everywhere(self, reason: str, workers: list[str] | None = None) -> None:
         sid = self._session_id() or ""
