@@ -2,7 +2,7 @@
 processes, against the raw limit measured in the same run: one flat torch.distributed
 broadcast of the same bytes to R receiver processes.
 
-    python bench/push.py [--size-mb 256] [--receivers 1,2] [--reps 5] [--mode in_place|staged]
+    python bench/push.py [--size-mb 1024] [--receivers 1,2,3] [--reps 3] [--mode in_place|staged]
 
 The two are measured alternately, best of --reps each, so drift on a shared machine
 hits both alike.
@@ -73,9 +73,9 @@ async def measure(url: str, r: int, cfg, named, flat, reps: int, mode: str, buck
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mb", type=int, default=256)
-    ap.add_argument("--receivers", default="1,2")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB)")
+    ap.add_argument("--receivers", default="1,2,3")
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="in_place", choices=["in_place", "staged"])
     ap.add_argument("--bucket-mb", type=int, default=16)
     a = ap.parse_args()

@@ -1,6 +1,6 @@
 """Data-plane benchmark: rlbus buckets against the raw limits of the same transports.
 
-    python bench/transfer.py [--size-mb 256] [--receivers 1,2] [--reps 3]
+    python bench/transfer.py [--size-mb 1024] [--receivers 1,2,3] [--reps 3]
 
 For each receiver count R (receivers are separate processes) it measures
   raw    one flat uint8 tensor of S bytes broadcast over gloo
@@ -134,8 +134,8 @@ def gbps(nbytes: int, s: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mb", type=int, default=256)
-    ap.add_argument("--receivers", default="1,2")
+    ap.add_argument("--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB)")
+    ap.add_argument("--receivers", default="1,2,3")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16, help="gloo bucket size (RLClient uses 16 MiB on gloo)")
     ap.add_argument("--shm-bucket-mb", type=int, default=128, help="shm bucket size (RLClient uses 128 MiB on shm)")
