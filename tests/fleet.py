@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 from rlbus.client import RLClient
 from rlbus.local import LocalFleet
@@ -13,6 +14,9 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 SMALL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=128, seed=0)
+LONG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=0)
+"""Room for long generations: a pause, sleep or drain lands while every request still decodes."""
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
 
 
 async def start_fleet(
@@ -41,3 +45,15 @@ async def start_fleet(
     await fleet.wait_for_workers(worker_ids)
     rl = await RLClient.connect(url, prefix=prefix, timeout=30.0)
     return fleet, rl
+
+
+@asynccontextmanager
+async def fleet_running(url: str, prefix: str, *args: object, **kw: object) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
+    """start_fleet(...) for the body of an `async with` (a module fixture's yield); the client
+    and every service are closed after it, whatever happened."""
+    fleet, rl = await start_fleet(url, prefix, *args, **kw)  # type: ignore[arg-type]
+    try:
+        yield fleet, rl
+    finally:
+        await rl.close()
+        await fleet.close()

@@ -21,11 +21,10 @@ from rlbus.local import LocalFleet
 from rlbus.schemas import FleetAck, UpdateWeights, VersionInfo
 from rlbus.services.worker.model import KVCache, ModelConfig, TinyLM
 from rlbus.transfer.stream import pack_all, prepare, send_all
-from tests.fleet import SMALL
+from tests.fleet import PROMPTS, SMALL
 from tests.waiting import eventually
 
 MODEL = SMALL
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
 MAX_TOKENS = 10
 Named = list[tuple[str, torch.Tensor]]
 

@@ -2,15 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fleet import start_fleet
+from tests.fleet import fleet_running
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    fleet, rl = await start_fleet(nats_server.url, prefix)
-    yield fleet, rl
-    await rl.close()
-    await fleet.close()
+    async with fleet_running(nats_server.url, prefix) as running:
+        yield running
 
 
 async def test_server_info_lists_every_registered_worker(fleet):

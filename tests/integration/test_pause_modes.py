@@ -7,22 +7,18 @@ import asyncio
 import pytest
 
 from rlbus.schemas import GenerateReply
-from rlbus.services.worker.model import ModelConfig
-from tests.fleet import start_fleet
+from tests.fleet import LONG, PROMPTS, fleet_running
 from tests.waiting import eventually
 
 # Long enough generations that a pause lands while every request is still decoding.
-MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=0)
+MODEL = LONG
 MAX_TOKENS = 200
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    fleet, rl = await start_fleet(nats_server.url, prefix, model=MODEL)
-    yield fleet, rl
-    await rl.close()
-    await fleet.close()
+    async with fleet_running(nats_server.url, prefix, model=MODEL) as running:
+        yield running
 
 
 @pytest.fixture(autouse=True)

@@ -28,16 +28,14 @@ from rlbus.schemas import (
 )
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
-from tests.fleet import SMALL, start_fleet
+from tests.fleet import SMALL, fleet_running, start_fleet
 from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    fleet, rl = await start_fleet(nats_server.url, prefix, ["r0", "r1"])
-    yield fleet, rl
-    await rl.close()
-    await fleet.close()
+    async with fleet_running(nats_server.url, prefix, ["r0", "r1"]) as running:
+        yield running
 
 
 @pytest.fixture

@@ -10,19 +10,16 @@ import pytest
 import rlbus
 from rlbus.client import SyncRLClient
 from rlbus.schemas import FleetAck, GenerateReply
-from rlbus.services.worker.model import ModelConfig
-from tests.fleet import start_fleet
+from tests.fleet import LONG, fleet_running, start_fleet
 from tests.waiting import eventually
 
-MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=0)
+MODEL = LONG
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    fleet, rl = await start_fleet(nats_server.url, prefix, model=MODEL)
-    yield fleet, rl
-    await rl.close()
-    await fleet.close()
+    async with fleet_running(nats_server.url, prefix, model=MODEL) as running:
+        yield running
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.model import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
-from tests.fleet import start_fleet
+from tests.fleet import fleet_running, start_fleet
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,
@@ -48,10 +48,8 @@ from tests.weights_helpers import (
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    f, rl = await start_fleet(nats_server.url, prefix, weight_transfer_backend="gloo", model=MODEL)
-    yield f, rl
-    await rl.close()
-    await f.close()
+    async with fleet_running(nats_server.url, prefix, weight_transfer_backend="gloo", model=MODEL) as running:
+        yield running
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fleet import start_fleet
+from tests.fleet import fleet_running
 from tests.weights_helpers import (
     MODEL,
     check_corrupted_bytes_abort_the_finish,
@@ -19,10 +19,8 @@ from tests.weights_helpers import (
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    f, rl = await start_fleet(nats_server.url, prefix, weight_transfer_backend="shm", model=MODEL)
-    yield f, rl
-    await rl.close()
-    await f.close()
+    async with fleet_running(nats_server.url, prefix, weight_transfer_backend="shm", model=MODEL) as running:
+        yield running
 
 
 @pytest.fixture(autouse=True)
