@@ -39,6 +39,7 @@ from rlbus.schemas import (
 
 if TYPE_CHECKING:
     import torch
+    from nats.aio.client import Client
 
     from rlbus.client import RLClient as _Base
 else:
@@ -47,13 +48,14 @@ else:
 log = logging.getLogger("rlbus.client")
 T = TypeVar("T")
 
-# Buckets sized to the transport (measured with bench/push.py on CPU: 8-16 MiB pipelines
-# best over gloo's TCP; NCCL wants large messages to reach link bandwidth).
 # Buckets sized to the transport: gloo pipelines best around 16 MiB; shm pays store round
 # trips per bucket and copies straight out of the pool, so larger buckets win (bench/transfer.py,
 # vs memcpy: 16 MiB 0.5-0.8x with one receiver; 64 MiB ~0.95x with one, 0.6-0.75x with two;
 # 128 MiB 0.8-0.97x with one, 0.76-0.88x with two); nccl amortises its launches.
 BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 128 << 20, "nccl": 256 << 20}
+
+# watch_versions' JetStream API timeout: a request lost in a server restart is retried soon.
+_WATCH_API_TIMEOUT_S = 2.0
 
 # NATS' default max_payload is 1 MiB; metadata messages are split well below it.
 _MAX_META_BYTES = 512 * 1024
@@ -219,16 +221,15 @@ class WeightUpdateCalls(_Base):
         import nats.js.errors
         from nats.js.api import DeliverPolicy
 
-        # A short API timeout: a request lost in a server restart is retried within seconds.
         js = self.nc.jetstream(timeout=_WATCH_API_TIMEOUT_S)
         try:
-            kv = await _retry_transient(self, lambda: js.key_value(self.subjects.kv_bucket))
+            kv = await _retry_transient(self.nc, lambda: js.key_value(self.subjects.kv_bucket))
         except nats.js.errors.BucketNotFoundError:
             raise Unavailable("no controller has run on this prefix yet (no state bucket)") from None
         # Subscribe before reading the current value, so no commit falls between the two.
         # An ordered consumer with a 1 s idle heartbeat notices a lost server within seconds
         # and resumes after the last sequence it delivered.
-        sub = await _retry_transient(self, lambda: js.subscribe(
+        sub = await _retry_transient(self.nc, lambda: js.subscribe(
             f"$KV.{self.subjects.kv_bucket}.version", stream=f"KV_{self.subjects.kv_bucket}",
             ordered_consumer=True, idle_heartbeat=1.0,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
@@ -236,7 +237,7 @@ class WeightUpdateCalls(_Base):
         try:
             decoder = msgspec.json.Decoder(VersionInfo)
             try:
-                entry = await _retry_transient(self, lambda: kv.get("version"))
+                entry = await _retry_transient(self.nc, lambda: kv.get("version"))
                 seen, current = entry.revision or 0, decoder.decode(entry.value)
             except nats.js.errors.KeyNotFoundError:
                 seen, current = 0, VersionInfo(version=DEFAULT_VERSION)
@@ -316,10 +317,8 @@ def torch_empty_bytes(n: int) -> "torch.Tensor":
     return torch.empty(n, dtype=torch.uint8)
 
 
-_WATCH_API_TIMEOUT_S = 2.0
 
-
-async def _retry_transient(client: Any, call: Callable[[], Awaitable[T]]) -> T:
+async def _retry_transient(nc: "Client", call: Callable[[], Awaitable[T]]) -> T:
     """Run a JetStream API call, retrying while the server is away (a restart, a reconnect):
     a long-lived watcher must outlive those. Gives up when the connection is closed, and at
     once when the server denied the call (a denial looks like a timeout to nats-py)."""
@@ -328,7 +327,7 @@ async def _retry_transient(client: Any, call: Callable[[], Awaitable[T]]) -> T:
 
     from rlbus.connection import denials_of
 
-    denials = denials_of(client.nc)
+    denials = denials_of(nc)
     delay = 0.05
     while True:
         before = len(denials.seen)
@@ -340,7 +339,7 @@ async def _retry_transient(client: Any, call: Callable[[], Awaitable[T]]) -> T:
             if denied:
                 raise PermissionDenied(f"the NATS server denies this identity the JetStream API {denied[0]}; "
                                        "check its credentials and role") from None
-            if client.nc.is_closed:
+            if nc.is_closed:
                 raise Unavailable(f"the NATS connection is closed ({e!r})") from e
             log.info("JetStream call failed while the server is away (%r); retrying", e)
             await anyio.sleep(delay)  # back-off between retries, not a wait for a condition

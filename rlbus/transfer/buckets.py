@@ -1,8 +1,8 @@
 """Bucket planning and packing: many named tensors <-> a few fixed-size byte buffers.
 
 A plan assigns every tensor a byte range inside a bucket (big tensors alone, small ones
-packed in input order); each range starts on a 64-byte boundary so the bytes can be viewed back as any dtype
-without copying. Pad bytes are zeroed, so a bucket's checksum depends only on the
+packed in input order); each range starts on a 64-byte boundary so the bytes can be
+viewed back as any dtype without copying. Pad bytes are zeroed, so a bucket's checksum depends only on the
 tensors' bytes.
 """
 
@@ -67,7 +67,8 @@ SOLO_FRACTION = 2
 def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[ParamMeta], list[int]]:
     """Assign every tensor a 64-byte-aligned range in a bucket.
 
-    A tensor of at least half a bucket travels alone, in a bucket of exactly its size (larger than ``bucket_bytes`` if the tensor is): it is sent straight from the
+    A tensor of at least half a bucket travels alone, in a bucket of exactly its size
+    (larger than ``bucket_bytes`` if the tensor is): it is sent straight from the
     tensor's memory and, where the receiver can, lands straight in its destination, so
     it is never copied and never splits a shared bucket. The smaller tensors are packed,
     in input order, into shared buckets of at most ``bucket_bytes``. Returns the ParamMeta

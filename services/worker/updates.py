@@ -152,11 +152,10 @@ class WeightUpdates:
             if self.mode == "staged":
                 buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
             else:
-                got = sole_tensor_bytes(metas, bucket.nbytes, live)
-                if got is None:
+                buf = sole_tensor_bytes(metas, bucket.nbytes, live)
+                if buf is None:
                     return None
                 s.touched = True
-                buf = got
             landed.add(buf.data_ptr())
             return buf
 
