@@ -4,11 +4,13 @@
 
 For each receiver count R (receivers are separate processes) it measures
   raw    one flat uint8 tensor of S bytes broadcast over gloo
-  rlbus  the stream (plan, pack once, checksum, send, verify, sink copy) of a
-         ~200-tensor mixed-size model of S bytes over gloo
+  rlbus  the stream (plan; pack and hash bucket k+1 while bucket k is on the wire; the
+         digests; receive, verify, sink copy) of a ~200-tensor mixed-size model of S bytes
+         over gloo
   naive  one broadcast per tensor of a ~1000-small-tensor model, against rlbus on it
   shm    S bytes through the shm backend, against S bytes memcpy'd into each of R
-         buffers by R threads at once
+         buffers by R threads at once: from the trainer's shared pool (the transport
+         alone), through its two slots, and the whole rlbus stream of the 200-tensor model
 and prints GB/s plus the ratios rlbus/raw, rlbus/naive, shm/memcpy (throughput;
 1.0 = as fast as the reference). Times run from the trainer's start to the last
 receiver's finish (same-host monotonic clock), best of --reps, each after one warm-up;
@@ -31,12 +33,12 @@ import torch
 from rlbus.schemas import BucketMeta, ParamMeta, TransferInit
 from rlbus.transfer import (
     alloc_buffers,
-    pack_all,
     prepare,
     recv_buckets,
+    scratch_bytes,
     send_all,
+    send_stream,
     sole_tensor_bytes,
-    send_packed,
     trainer_transfer,
     worker_transfer,
 )
@@ -139,6 +141,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16, help="gloo bucket size (RLClient uses 16 MiB on gloo)")
     ap.add_argument("--shm-bucket-mb", type=int, default=128, help="shm bucket size (RLClient uses 128 MiB on shm)")
+    ap.add_argument("--only", default="", help="measure only these kinds (comma-separated): raw, rlbus, naive, "
+                    "rlbus_small, memcpy, shm, shm_pool, shm_stream")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -151,19 +155,19 @@ def main() -> None:
     big = mixed_model(size, 200, 0)
     small = mixed_model(min(size // 8, 32 << 20), 1000, 1)
     p_big, p_small = prepare(big, BUCKET), prepare(small, BUCKET)
-    pool_big = pack_all(p_big, big).pool
-    pool_small = pack_all(p_small, small).pool
+    p_shm = prepare(big, SHM_BUCKET)
     big_bytes = sum(t.numel() * t.element_size() for _, t in big)
     small_bytes = sum(t.numel() * t.element_size() for _, t in small)
 
-    def stream(p, named, pool):
+    def stream(p, named):
+        scratch = alloc_buffers(scratch_bytes(p, named))  # reused every step, as RLClient does
+
         def send(tx):
-            send_packed(tx, pack_all(p, named, pool=pool))
+            send_stream(tx, p, named, scratch=scratch)
         return send
 
-    def meta(p, named, pool):
-        packed = pack_all(p, named, pool=pool)
-        return {"params": msgspec.json.encode(p.params).decode(), "buckets": msgspec.json.encode(packed.buckets).decode()}
+    def meta(p):
+        return {"params": msgspec.json.encode(p.params).decode(), "buckets": msgspec.json.encode(p.buckets).decode()}
 
     dsts = [torch.zeros(size, dtype=torch.uint8) for _ in range(max(receivers))]
 
@@ -183,48 +187,64 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}, best of {a.reps}, every kind measured in turn per rep")
     try:
         for r in receivers:
-            pooled: dict[str, object] = {"tx": None, "views": []}
+            pooled: dict[str, object] = {"tx": None, "views": [], "scratch": []}
 
-            def from_pool(tx):  # buckets packed straight into shared memory (what RLClient does)
+            def from_pool(tx):  # the bytes already in the trainer's shared memory: the transport alone
                 if pooled["tx"] is not tx:  # a new group each run: its own pool (untimed warm-up rep)
                     pool = tx.alloc(size)
                     pool.copy_(flat)
                     pooled.update(tx=tx, views=[pool[i:i + SHM_BUCKET] for i in range(0, size, SHM_BUCKET)])
                 send_all(tx, pooled["views"])
 
+            def shm_stream(tx):  # what RLClient does on shm: pack and hash into shared scratch
+                if pooled["tx"] is not tx:
+                    need = scratch_bytes(p_shm, big, pack_every_bucket=True)
+                    pair = tx.alloc(2 * need)
+                    pooled.update(tx=tx, scratch=[pair[:need], pair[need:]])
+                send_stream(tx, p_shm, big, scratch=pooled["scratch"], pack_every_bucket=True)
+
             kinds = {
                 "raw": lambda: fleet.run(r, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[size]),
-                "rlbus": lambda: fleet.run(r, "gloo", "rlbus", 1, stream(p_big, big, pool_big), **meta(p_big, big, pool_big)),
+                "rlbus": lambda: fleet.run(r, "gloo", "rlbus", 1, stream(p_big, big), **meta(p_big)),
                 "naive": lambda: fleet.run(r, "gloo", "naive", 1, lambda tx: [tx.send(as_bytes(t)).wait() for _, t in small],
                                            sizes=[t.numel() * t.element_size() for _, t in small]),
-                "rlbus_small": lambda: fleet.run(r, "gloo", "rlbus", 1, stream(p_small, small, pool_small),
-                                                 **meta(p_small, small, pool_small)),
+                "rlbus_small": lambda: fleet.run(r, "gloo", "rlbus", 1, stream(p_small, small), **meta(p_small)),
                 "memcpy": lambda: min(memcpy_into_each(r) for _ in range(2)),
                 "shm": lambda: fleet.run(r, "shm", "shm", 1, lambda tx: send_all(tx, shm_chunks),
                                          sizes=[c.numel() for c in shm_chunks]),
                 "shm_pool": lambda: fleet.run(r, "shm", "shm", 1, from_pool, sizes=[c.numel() for c in shm_chunks]),
+                "shm_stream": lambda: fleet.run(r, "shm", "rlbus", 1, shm_stream, **meta(p_shm)),
             }
+            if a.only:
+                kinds = {k: run for k, run in kinds.items() if k in a.only.split(",")}
             best = dict.fromkeys(kinds, float("inf"))
             for _ in range(a.reps):  # in turn, so a slow spell of a shared machine hits every kind alike
                 for kind, run in kinds.items():
                     best[kind] = min(best[kind], run())
-            raw, rl, naive, rl_small, memcpy, shm, shm_pool = best.values()
+            b = best
+            lines = [
+                (["raw"], lambda: f"raw gloo broadcast   {gbps(size, b['raw']):6.2f} GB/s"),
+                (["raw", "rlbus"], lambda: f"rlbus gloo (200 t)   {gbps(big_bytes, b['rlbus']):6.2f} GB/s   "
+                                           f"rlbus/raw   = {b['raw'] / b['rlbus'] * big_bytes / size:.2f}"),
+                (["naive"], lambda: f"naive gloo (1000 t)  {gbps(small_bytes, b['naive']):6.2f} GB/s"),
+                (["naive", "rlbus_small"], lambda: f"rlbus gloo (1000 t)  {gbps(small_bytes, b['rlbus_small']):6.2f} GB/s   "
+                                                   f"rlbus/naive = {b['naive'] / b['rlbus_small']:.2f}"),
+                (["memcpy"], lambda: f"memcpy into each     {gbps(size, b['memcpy']):6.2f} GB/s   "
+                                     f"(S bytes into each of {r} buffers, {r} threads)"),
+                (["memcpy", "shm"], lambda: f"shm (slots)          {gbps(size, b['shm']):6.2f} GB/s   "
+                                            f"shm/memcpy  = {b['memcpy'] / b['shm']:.2f}"),
+                (["memcpy", "shm_pool"], lambda: f"shm (shared pool)    {gbps(size, b['shm_pool']):6.2f} GB/s   "
+                                                 f"shm/memcpy  = {b['memcpy'] / b['shm_pool']:.2f}"),
+                (["memcpy", "shm_stream"], lambda: f"rlbus shm (200 t)    {gbps(big_bytes, b['shm_stream']):6.2f} GB/s   "
+                                                   f"rlbus/memcpy = {b['memcpy'] / b['shm_stream'] * big_bytes / size:.2f}"
+                                                   "   (packs and hashes on the trainer too)"),
+            ]
             print(f"\nreceivers={r}")
-            print(f"  raw gloo broadcast   {gbps(size, raw):6.2f} GB/s")
-            print(f"  rlbus gloo (200 t)   {gbps(big_bytes, rl):6.2f} GB/s   rlbus/raw   = {raw / rl * big_bytes / size:.2f}")
-            print(f"  naive gloo (1000 t)  {gbps(small_bytes, naive):6.2f} GB/s")
-            print(f"  rlbus gloo (1000 t)  {gbps(small_bytes, rl_small):6.2f} GB/s   rlbus/naive = {naive / rl_small:.2f}")
-            print(f"  memcpy into each     {gbps(size, memcpy):6.2f} GB/s   (S bytes into each of {r} buffers, {r} threads)")
-            print(f"  shm (slots)          {gbps(size, shm):6.2f} GB/s   shm/memcpy  = {memcpy / shm:.2f}")
-            print(f"  shm (shared pool)    {gbps(size, shm_pool):6.2f} GB/s   shm/memcpy  = {memcpy / shm_pool:.2f}")
+            for needs, line in lines:
+                if all(k in best for k in needs):
+                    print("  " + line())
     finally:
         fleet.close()
-
-
-def _time(fn) -> float:
-    t0 = time.monotonic()
-    fn()
-    return time.monotonic() - t0
 
 
 if __name__ == "__main__":

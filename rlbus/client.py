@@ -72,8 +72,11 @@ class RLClient(WeightUpdateCalls):
         self._init: TransferInit | None = None
         self._group: list[str] = []
         """Worker ids (rank order) the transfer group was built for."""
-        self._pool: torch.Tensor | None = None
-        self._pool_of: object = None
+        self._scratch: list[torch.Tensor] = []
+        self._scratch_of: object = None
+        """update_weights' two packing buffers and the transfer group they belong to."""
+        self._checksums: list[str] = []
+        """Every bucket sent in the open session, in order (finish_weight_update carries them)."""
         self.bucket_bytes: int | None = None
         """Bucket size for update_weights (None: sized to the transport, see BUCKET_BYTES)."""
 

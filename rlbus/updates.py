@@ -71,6 +71,7 @@ class WeightUpdateCalls(_Base):
         if self._tx is not None:
             self._tx.close()
         self._tx = self._init = None
+        self._scratch, self._scratch_of = [], None
 
     async def init_weight_transfer(
         self, backend: Backend | None = None, *, master_addr: str | None = None, timeout_s: float = 60.0
@@ -146,25 +147,24 @@ class WeightUpdateCalls(_Base):
 
     async def start_weight_update(self) -> FleetAck:
         """Open an update session for the main model on every worker."""
-        return await self._call(StartWeightUpdate(target="main"), FleetAck)
+        ack = await self._call(StartWeightUpdate(target="main"), FleetAck)
+        self._checksums = []
+        return ack
 
     async def start_draft_weight_update(self) -> FleetAck:
         """Open an update session whose target is the draft (speculative decoding) model."""
-        return await self._call(StartDraftWeightUpdate(), FleetAck)
+        ack = await self._call(StartDraftWeightUpdate(), FleetAck)
+        self._checksums = []
+        return ack
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], *, bucket_bytes: int | None = None
     ) -> FleetAck:
         """Send tensors to every worker: metadata through the controller (every worker checks
-        names, dtypes and shapes first), then the bytes out-of-band in checksummed buckets."""
+        names, dtypes and shapes first), then the bytes out-of-band in checksummed buckets,
+        each packed and hashed while the one before it is on the wire."""
         from rlbus.transfer.base import TransferError
-        from rlbus.transfer.stream import (
-            pack_range,
-            pool_layout,
-            pool_views,
-            prepare,
-            send_all,
-        )
+        from rlbus.transfer.stream import prepare, scratch_bytes, send_stream
 
         tx = self._tx
         if tx is None:
@@ -172,25 +172,24 @@ class WeightUpdateCalls(_Base):
         named = [(n, t.detach().to("cpu") if t.device.type != "cpu" else t.detach()) for n, t in named_tensors]
         size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self._init.backend if self._init else "gloo"]
         plan = prepare(named, size)
-        _, pool_bytes = pool_layout(plan)
-        if self._pool is None or self._pool.numel() < pool_bytes or self._pool_of is not tx:
-            # one packing pool, reused every step; a transport that can share the trainer's
-            # memory (shm) hands out the pool itself, so workers copy straight out of it
-            alloc = getattr(tx, "alloc", None)
-            self._pool = alloc(pool_bytes) if alloc is not None else torch_empty_bytes(pool_bytes)
-            self._pool_of = tx
-        buffers = pool_views(plan, self._pool)
-        # Pack and hash everything first: checksums travel in the metadata, which every worker
-        # checks before any byte moves. (Packing chunk j+1 while chunk j travels was measured
-        # with bench/push.py on 2 cores and bought nothing: one more round trip per chunk.)
-        packed = await anyio.to_thread.run_sync(pack_range, plan, named, buffers, 0, len(buffers))
+        # A transport that can share the trainer's memory (shm) hands out the scratch
+        # buffers itself: every bucket is packed there and workers copy straight out of it.
+        alloc = getattr(tx, "alloc", None)
+        need = scratch_bytes(plan, named, pack_every_bucket=alloc is not None)
+        if self._scratch_of is not tx or min((b.numel() for b in self._scratch), default=-1) < need:
+            pair = alloc(2 * need) if alloc is not None else torch_empty_bytes(2 * need)
+            self._scratch, self._scratch_of = [pair[:need], pair[need:]], tx  # reused every step
         ack: FleetAck | None = None
         for first, last in _chunks(plan.per_bucket):
             params = [msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in plan.per_bucket[k]]
-            buckets = [msgspec.structs.replace(b, index=b.index - first) for b in packed[first:last]]
+            buckets = [msgspec.structs.replace(b, index=b.index - first) for b in plan.buckets[first:last]]
             ack = await self._call(UpdateWeights(params=params, buckets=buckets), FleetAck)
             try:
-                await anyio.to_thread.run_sync(send_all, tx, buffers[first:last], abandon_on_cancel=True)
+                self._checksums += await anyio.to_thread.run_sync(
+                    lambda: send_stream(tx, plan, named, first=first, last=last, scratch=self._scratch,
+                                        pack_every_bucket=alloc is not None),
+                    abandon_on_cancel=True,
+                )
             except TransferError as e:
                 self._close_transfer()
                 raise Aborted(f"sending weights failed ({e}); abort the session and init_weight_transfer() again") from None
@@ -199,12 +198,17 @@ class WeightUpdateCalls(_Base):
         return ack
 
     async def finish_weight_update(self, weight_version: str | None = None) -> FleetAck:
-        """Commit on every worker (two-phase) and publish the version; None keeps the version string."""
-        return await self._call(FinishWeightUpdate(weight_version=weight_version), FleetAck)
+        """Commit on every worker (two-phase) and publish the version; None keeps the version string.
+
+        Carries the checksum of every bucket this client sent in the session, which each
+        worker verifies before it reports ready: finish from the client that sent the bytes."""
+        return await self._call(FinishWeightUpdate(weight_version=weight_version, checksums=self._checksums), FleetAck)
 
     async def abort_weight_update(self, reason: str = "") -> FleetAck:
         """Drop the open session everywhere; old weights and version stay."""
-        return await self._call(AbortWeightUpdate(reason=reason), FleetAck)
+        ack = await self._call(AbortWeightUpdate(reason=reason), FleetAck)
+        self._checksums = []
+        return ack
 
     async def update_weight_version(self, new_version: str) -> FleetAck:
         """Set the version string without a transfer (refused while a session is open)."""

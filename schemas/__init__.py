@@ -55,6 +55,6 @@ from .state import (
     version_problem,
 )
 from .subjects import Subjects, check_token
-from .weights import BucketMeta, DType, ParamMeta, TransferInit
+from .weights import BucketMeta, DType, ParamMeta, TransferInit, checksums_problem
 
 __all__ = [name for name in dir() if not name.startswith("_")]

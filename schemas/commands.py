@@ -90,12 +90,17 @@ class FinishWeightUpdate(Command, frozen=True, kw_only=True, tag="finish_weight_
     weight_version: str | None = None
     """None = commit without changing the version string."""
     session_id: str = ""
+    checksums: list[str] = []
+    """Every bucket sent in this session, in order: its xxh3-128 (32 hex digits), computed
+    by the trainer as the bucket left. The SDK fills it in."""
 
 
 class PrepareCommit(Command, frozen=True, kw_only=True, tag="prepare"):
     """controller -> worker, phase 1 of finish: report staged and verified."""
 
     session_id: str
+    checksums: list[str] = []
+    """The trainer's checksums (FinishWeightUpdate.checksums) to verify the received buckets against."""
 
 
 class Commit(Command, frozen=True, kw_only=True, tag="commit"):

@@ -31,8 +31,8 @@ class BucketMeta(msgspec.Struct, frozen=True, kw_only=True):
 
     index: int
     nbytes: int
-    checksum: str
-    """Hex digest of the bucket's bytes (rlbus.transfer.checksum)."""
+    """Its checksum is computed as the bucket leaves the trainer and reaches the workers
+    with FinishWeightUpdate (rlbus.transfer.stream)."""
 
 
 class TransferInit(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,3 +49,15 @@ class TransferInit(msgspec.Struct, frozen=True, kw_only=True):
     """Unique per group; prefixes the rendezvous store and names the shm segment."""
     timeout_s: float = 60.0
     """Timeout of every collective; no rank may hang forever."""
+
+
+CHECKSUM_HEX_DIGITS = 32
+"""An xxh3-128 checksum as lowercase hex."""
+
+
+def checksums_problem(checksums: list[str]) -> str | None:
+    """Why a list of bucket checksums is not acceptable, or None when it is."""
+    for k, c in enumerate(checksums):
+        if len(c) != CHECKSUM_HEX_DIGITS or c.strip("0123456789abcdef"):
+            return f"checksum {k} is not {CHECKSUM_HEX_DIGITS} lowercase hex digits: {c[:40]!r}"
+    return None

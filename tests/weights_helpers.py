@@ -137,13 +137,15 @@ async def first_watched_version(rl: RLClient) -> str:
 
 
 async def send_corrupted(rl: RLClient, named: Named, *, bucket_bytes: int, bad_bucket: int = 0) -> int:
-    """In an open session: send the true metadata, then bytes with one flipped bit in
-    `bad_bucket`. Returns how many buckets were sent."""
+    """In an open session: send the true metadata, then bytes whose bucket `bad_bucket` had
+    one bit flipped after it was hashed; the true checksums go with finish, as the SDK's do.
+    Returns how many buckets were sent."""
     plan = prepare(named, bucket_bytes)
     packed = pack_all(plan, named)
-    await rl._call(UpdateWeights(params=plan.params, buckets=packed.buckets), FleetAck)
+    await rl._call(UpdateWeights(params=plan.params, buckets=plan.buckets), FleetAck)
     packed.buffers[bad_bucket][7] ^= 0x10
     await anyio.to_thread.run_sync(send_all, rl._tx, packed.buffers)
+    rl._checksums += packed.checksums
     return len(packed.buffers)
 
 

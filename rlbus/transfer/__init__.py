@@ -5,16 +5,16 @@ Trainer side::
     tx = trainer_transfer(init.backend)
     bound = tx.bind(init)             # free port chosen; send `bound` to workers over NATS
     tx.open(bound)                    # blocks until every worker joined (TransferTimeout)
-    p = prepare(named, bucket_bytes)
-    packed = pack_all(p, named)       # UpdateWeights(params=p.params, buckets=packed.buckets)
-    send_packed(tx, packed)
+    p = prepare(named, bucket_bytes)  # UpdateWeights(params=p.params, buckets=p.buckets)
+    sums = send_stream(tx, p, named)  # hashed as they leave; FinishWeightUpdate(checksums=sums)
 
 Worker side::
 
     rx = worker_transfer(init.backend)
     rx.join(bound, rank)
     validate(params, buckets)         # before acking UpdateWeights
-    recv_buckets(rx, params, buckets, sink)
+    got = recv_buckets(rx, params, buckets, sink)
+    verify(got, sums)                 # at prepare, with the checksums finish brought
 """
 
 from rlbus.transfer.base import (
@@ -35,15 +35,14 @@ from rlbus.transfer.stream import (
     Packed,
     Plan,
     alloc_buffers,
-    checksums,
     pack_all,
-    pack_and_checksum,
     prepare,
     recv_buckets,
+    scratch_bytes,
     send_all,
-    send_buckets,
-    send_packed,
+    send_stream,
     sole_tensor_bytes,
+    verify,
 )
 
 __all__ = [
@@ -60,21 +59,20 @@ __all__ = [
     "WorkerTransfer",
     "alloc_buffers",
     "checksum",
-    "checksums",
     "dtype_name",
     "pack",
     "pack_all",
-    "pack_and_checksum",
     "plan",
     "prepare",
     "recv_buckets",
+    "scratch_bytes",
     "send_all",
-    "send_buckets",
-    "send_packed",
+    "send_stream",
     "sole_tensor_bytes",
     "torch_dtype",
     "trainer_transfer",
     "unpack",
     "validate",
+    "verify",
     "worker_transfer",
 ]

@@ -31,11 +31,12 @@ class UnsupportedDType(PlanError):
 
 
 class ChecksumMismatch(TransferError):
-    """A received bucket's bytes do not hash to the checksum in its metadata."""
+    """The received buckets do not hash to the trainer's checksums (or are not as many)."""
 
-    def __init__(self, bucket: int, expected: str, got: str, *, others: tuple[int, ...] = ()) -> None:
+    def __init__(self, bucket: int, expected: str, got: str, *, others: tuple[int, ...] = (),
+                 detail: str | None = None) -> None:
         more = f" (and buckets {list(others)})" if others else ""
-        super().__init__(f"bucket {bucket}: checksum {got} != expected {expected}{more}")
+        super().__init__(detail or f"bucket {bucket}: checksum {got} != expected {expected}{more}")
         self.bucket = bucket
         self.expected = expected
         self.got = got

@@ -7,7 +7,6 @@ import ctypes
 import torch
 import xxhash
 
-
 def checksum(buf: torch.Tensor) -> str:
     """Hex xxh3-128 digest of a contiguous CPU uint8 tensor's bytes.
 

@@ -1,27 +1,26 @@
 """The hot path: named tensors -> checksummed buckets -> the wire -> a sink, on both sides.
 
-Workers must see every bucket's checksum (in ``UpdateWeights``) before the first
-byte moves, so checksums exist before sending. Two ways to get there:
+Workers check names, dtypes and shapes from the metadata before any byte moves; the
+checksums need not be known by then, so the trainer computes each one just before its
+bucket leaves and hands the list on afterwards (the SDK sends it with
+``finish_weight_update``, through the authenticated control plane, and every worker
+compares it with what it hashed before it reports "staged and verified"):
 
-* **pack once** (:func:`pack_all` then :func:`send_packed`) — the default and the
-  fastest: every bucket is packed into one reusable pool, hashed, and later sent
-  straight from the pool. Each byte of the model is read once to pack and once to
-  hash; sending needs no further copy. Cost: host memory for one packed copy of
-  the model (pass the previous ``Packed.pool`` back in to reuse it every step).
-* **pack twice** (:func:`checksums` then :func:`send_buckets`) — constant memory
-  (two buckets): a first pass packs each bucket into scratch only to hash it; the
-  send pass packs again, bucket ``k+1`` while bucket ``k`` is on the wire. Costs a
-  second read of the model; use it when a packed copy does not fit in RAM. The
-  tensors must not change between the two passes.
+* :func:`send_stream` — the default: bucket ``k+1`` is packed and hashed while bucket
+  ``k`` is on the wire (at most two in flight), in two reusable scratch buffers, so the
+  trainer reads each byte of the model once to pack and once to hash, holds two buckets
+  of extra memory, and sends its first byte after hashing one bucket, not the model.
+  A bucket that is exactly one contiguous tensor is sent from the tensor itself.
+* :func:`pack_all` then :func:`send_all` — pack and hash every bucket once into one pool
+  and send it (again and again if need be): for weights sent more than once.
 
-At most two buckets are in flight on either side, which bounds staging memory
-(nccl) and matches the shm backend's two slots. The receiver verifies bucket
-``k`` and hands its tensors to the sink while bucket ``k+1`` arrives.
+The receiver hashes bucket ``k`` and hands its tensors to the sink while bucket ``k+1``
+arrives, and returns the checksums it computed (or checks them against ``expected``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +44,11 @@ class Plan:
     per_bucket: list[list[ParamMeta]] = field(repr=False)
 
     @property
+    def buckets(self) -> list[BucketMeta]:
+        """The bucket list of the metadata (``UpdateWeights.buckets``)."""
+        return [BucketMeta(index=k, nbytes=n) for k, n in enumerate(self.bucket_sizes)]
+
+    @property
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
 
@@ -62,7 +66,7 @@ class Packed:
     """Reusable: pass it to the next :func:`pack_all`."""
     buffers: list[torch.Tensor]
     """Bucket ``k``'s bytes: a view into ``pool`` of exactly its size."""
-    buckets: list[BucketMeta]
+    checksums: list[str]
 
 
 def prepare(named: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
@@ -74,59 +78,6 @@ def prepare(named: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
 def alloc_buffers(nbytes: int, count: int = 2) -> list[torch.Tensor]:
     """``count`` uint8 buffers of ``nbytes``, pages already touched (zeroed)."""
     return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
-
-
-def pack_and_checksum(p: Plan, named: Named | Mapping[str, torch.Tensor],
-                      scratch: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor, str]]:
-    """Yield ``(index, bytes, checksum)`` per bucket, packed into one scratch buffer.
-
-    The yielded tensor is overwritten by the next bucket.
-    """
-    lookup = _lookup(named)
-    buf = scratch if scratch is not None and scratch.numel() >= p.max_bucket else alloc_buffers(p.max_bucket, 1)[0]
-    for k, size in enumerate(p.bucket_sizes):
-        out = buf[:size]
-        pack(k, p.per_bucket[k], lookup, out)
-        yield k, out, checksum(out)
-
-
-def checksums(p: Plan, named: Named | Mapping[str, torch.Tensor]) -> list[BucketMeta]:
-    """Pass one of pack-twice: the BucketMeta of every bucket, in constant memory."""
-    return [BucketMeta(index=k, nbytes=buf.numel(), checksum=c) for k, buf, c in pack_and_checksum(p, named)]
-
-
-def pool_layout(p: Plan) -> tuple[list[int], int]:
-    """Offsets of every bucket in a packing pool, and the pool's size."""
-    offsets, end = [], 0
-    for size in p.bucket_sizes:
-        offsets.append(end)
-        end = align_up(end + size)
-    return offsets, end
-
-
-def pool_views(p: Plan, pool: torch.Tensor) -> list[torch.Tensor]:
-    """Bucket ``k``'s region of a pool at least ``pool_layout(p)[1]`` bytes long."""
-    offsets, end = pool_layout(p)
-    if pool.numel() < end:
-        raise PlanError(f"pool of {pool.numel()} bytes is smaller than the plan's {end}")
-    return [pool[off : off + size] for off, size in zip(offsets, p.bucket_sizes)]
-
-
-def pack_range(p: Plan, named: Named | Mapping[str, torch.Tensor], buffers: list[torch.Tensor],
-               first: int, last: int) -> list[BucketMeta]:
-    """Pack and hash buckets first..last-1 into their pool regions (`buffers` is updated in
-    place). A bucket that is exactly one contiguous CPU tensor is not copied at all: its
-    buffer becomes a byte view of the tensor itself."""
-    lookup = _lookup(named)
-    metas = []
-    for k in range(first, last):
-        direct = sole_tensor_bytes(p.per_bucket[k], p.bucket_sizes[k], lookup)
-        if direct is not None:
-            buffers[k] = direct
-        else:
-            pack(k, p.per_bucket[k], lookup, buffers[k])
-        metas.append(BucketMeta(index=k, nbytes=p.bucket_sizes[k], checksum=checksum(buffers[k])))
-    return metas
 
 
 def sole_tensor_bytes(metas: Sequence[ParamMeta], size: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -141,19 +92,68 @@ def sole_tensor_bytes(metas: Sequence[ParamMeta], size: int, tensors: Mapping[st
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def scratch_bytes(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pack_every_bucket: bool = False) -> int:
+    """The size each of :func:`send_stream`'s two scratch buffers needs for this plan."""
+    lookup = _lookup(named)
+    return max((size for k, size in enumerate(p.bucket_sizes)
+                if pack_every_bucket or sole_tensor_bytes(p.per_bucket[k], size, lookup) is None), default=0)
+
+
+def send_stream(tx: TrainerTransfer, p: Plan, named: Named | Mapping[str, torch.Tensor], *,
+                first: int = 0, last: int | None = None, scratch: Sequence[torch.Tensor] | None = None,
+                pack_every_bucket: bool = False) -> list[str]:
+    """Send buckets ``first..last-1`` of the plan; returns their checksums, in order.
+
+    Bucket ``k+1`` is packed (into one of two scratch buffers) and hashed while bucket
+    ``k`` is on the wire; at most two buckets are in flight. ``scratch``: two buffers of
+    at least :func:`scratch_bytes` each (allocated here if missing or too small); for the
+    shm backend, buffers from ``tx.alloc`` that workers copy straight out of, with
+    ``pack_every_bucket`` so that no bucket is sent from the tensor's private memory.
+    The tensors must not change until this returns.
+    """
+    lookup = _lookup(named)
+    last = len(p.bucket_sizes) if last is None else last
+    if not 0 <= first <= last <= len(p.bucket_sizes):
+        raise PlanError(f"bucket range {first}..{last} outside the plan's {len(p.bucket_sizes)} buckets")
+    if first == last:
+        return []
+    need = scratch_bytes(p, lookup, pack_every_bucket=pack_every_bucket)
+    if scratch is None or len(scratch) < 2 or min(b.numel() for b in scratch[:2]) < need:
+        scratch = alloc_buffers(need)
+    slot, slot_sent = 0, [None, None]  # the send that last used each scratch buffer
+    window: list[Handle] = []
+    sums: list[str] = []
+    for k in range(first, last):
+        size = p.bucket_sizes[k]
+        buf = None if pack_every_bucket else sole_tensor_bytes(p.per_bucket[k], size, lookup)
+        packed = buf is None
+        if packed:
+            if slot_sent[slot] is not None:
+                slot_sent[slot].wait()  # type: ignore[union-attr]
+            buf = pack(k, p.per_bucket[k], lookup, scratch[slot][:size])
+        sums.append(checksum(buf))
+        if len(window) == 2:
+            window.pop(0).wait()
+        window.append(tx.send(buf))
+        if packed:
+            slot_sent[slot], slot = window[-1], 1 - slot
+    for h in window:
+        h.wait()
+    return sums
+
+
 def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.Tensor | None = None) -> Packed:
     """Pack every bucket once into a pool (reused when big enough) and hash it."""
-    _, end = pool_layout(p)
+    lookup = _lookup(named)
+    offsets, end = [], 0
+    for size in p.bucket_sizes:
+        offsets.append(end)
+        end = align_up(end + size)
     if pool is None or pool.numel() < end:
         pool = torch.empty(end, dtype=torch.uint8)
-    buffers = pool_views(p, pool)
-    metas = pack_range(p, named, buffers, 0, len(buffers))
-    return Packed(plan=p, pool=pool, buffers=buffers, buckets=metas)
-
-
-def send_packed(tx: TrainerTransfer, packed: Packed) -> None:
-    """Send every packed bucket in order, at most two in flight; returns when all are sent."""
-    send_all(tx, packed.buffers)
+    buffers = [pack(k, p.per_bucket[k], lookup, pool[off : off + size])
+               for k, (off, size) in enumerate(zip(offsets, p.bucket_sizes))]
+    return Packed(plan=p, pool=pool, buffers=buffers, checksums=[checksum(b) for b in buffers])
 
 
 def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
@@ -167,51 +167,33 @@ def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
         h.wait()
 
 
-def send_buckets(tx: TrainerTransfer, p: Plan, named: Named | Mapping[str, torch.Tensor],
-                 *, scratch: list[torch.Tensor] | None = None) -> None:
-    """Pass two of pack-twice: pack bucket ``k+1`` while bucket ``k`` is on the wire.
-
-    ``scratch``: two reusable buffers of at least ``p.max_bucket`` bytes.
-    """
-    lookup = _lookup(named)
-    bufs = scratch if scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= p.max_bucket \
-        else alloc_buffers(p.max_bucket)
-    inflight: list[Handle | None] = [None, None]
-    for k, size in enumerate(p.bucket_sizes):
-        slot = k % 2
-        if inflight[slot] is not None:
-            inflight[slot].wait()  # type: ignore[union-attr]
-        out = bufs[slot][:size]
-        pack(k, p.per_bucket[k], lookup, out)
-        inflight[slot] = tx.send(out)
-    for h in inflight:
-        if h is not None:
-            h.wait()
-
-
 Landing = Callable[[BucketMeta, Sequence[ParamMeta]], "torch.Tensor | None"]
 
 
 def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], sink: Sink,
-                 *, scratch: list[torch.Tensor] | None = None, landing: Landing | None = None) -> None:
-    """Receive every bucket, verify its checksum, and call ``sink(name, view)`` per tensor.
+                 *, scratch: list[torch.Tensor] | None = None, landing: Landing | None = None,
+                 expected: Sequence[str] | None = None) -> list[str]:
+    """Receive every bucket, hash it, and call ``sink(name, view)`` per tensor; returns the
+    checksums it computed, in order.
 
-    ``view`` aliases a reused receive buffer: the sink must copy it before returning —
-    unless ``landing(bucket, metas)`` gave a buffer of its own for that bucket (exactly
-    ``bucket.nbytes`` of contiguous uint8, e.g. the tensor's final memory): then the bytes
-    are received straight into it and the views alias it.
-    A bucket whose checksum does not match is not passed to the sink; the remaining
-    buckets are still received (so the group stays in step with the trainer) and
-    ChecksumMismatch is raised at the end, naming the first bad bucket. Validate the
-    metadata (:func:`rlbus.transfer.buckets.validate`) before acknowledging the
-    update: a PlanError raised here leaves the trainer's sends unanswered until
-    they time out.
+    The sink sees bytes before they are verified: treat them as provisional until the
+    checksums were compared (staged: keep them aside; in place: the parameter is dirty
+    until the update commits). ``view`` aliases a reused receive buffer, so the sink must
+    copy it before returning — unless ``landing(bucket, metas)`` gave a buffer of its own
+    for that bucket (exactly ``bucket.nbytes`` of contiguous uint8, e.g. the tensor's final
+    memory): then the bytes are received straight into it and the views alias it.
+    ``expected``: the trainer's checksums, if already known; every bucket is received and
+    then ChecksumMismatch is raised naming the first bad one (see :func:`verify`).
+    Validate the metadata (:func:`rlbus.transfer.buckets.validate`) before acknowledging
+    the update: a PlanError raised here leaves the trainer's sends unanswered until they
+    time out.
     """
     validate(params, buckets)
     per_bucket = by_bucket(params, len(buckets))
     biggest = max((b.nbytes for b in buckets), default=0)
+    sums: list[str] = []
     if not buckets:
-        return
+        return sums
     bufs: list[torch.Tensor] = []
 
     def scratch_for(k: int) -> torch.Tensor:
@@ -220,7 +202,6 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
             usable = scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest
             bufs.extend(scratch if usable else alloc_buffers(biggest))  # type: ignore[arg-type]
         return bufs[k % 2][: buckets[k].nbytes]
-    bad: list[tuple[int, str, str]] = []
 
     def dest(k: int) -> torch.Tensor:
         # a landing buffer (the tensor's final memory) saves the copy out of scratch
@@ -231,21 +212,28 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
 
     buf_next = dest(0)
     pending = rx.recv(buf_next)
-    for k, meta in enumerate(buckets):
+    for k in range(len(buckets)):
         pending.wait()
         buf = buf_next
         if k + 1 < len(buckets):
             buf_next = dest(k + 1)
             pending = rx.recv(buf_next)
-        got = checksum(buf)
-        if got != meta.checksum:
-            bad.append((k, meta.checksum, got))
-            continue
+        sums.append(checksum(buf))
         for name, view in unpack(buf, per_bucket[k]):
             sink(name, view)
+    if expected is not None:
+        verify(sums, expected)
+    return sums
+
+
+def verify(got: Sequence[str], expected: Sequence[str]) -> None:
+    """ChecksumMismatch unless the received buckets' checksums are exactly the trainer's."""
+    bad = [k for k, (g, e) in enumerate(zip(got, expected)) if g != e]
+    if len(got) != len(expected):
+        raise ChecksumMismatch(min(len(got), len(expected)), "", "", detail=(
+            f"checksum count: {len(got)} buckets were received, the trainer's checksums cover {len(expected)}"))
     if bad:
-        k, expected, got = bad[0]
-        raise ChecksumMismatch(k, expected, got, others=tuple(b[0] for b in bad[1:]))
+        raise ChecksumMismatch(bad[0], expected[bad[0]], got[bad[0]], others=tuple(bad[1:]))
 
 
 def _lookup(named: Named | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from rlbus.schemas import (
     UpdateWeights,
     UpdateWeightVersion,
     VersionInfo,
+    checksums_problem,
     encode,
     version_problem,
 )
@@ -160,6 +161,8 @@ class WeightUpdateHandlers(_Base):
         assert isinstance(cmd, FinishWeightUpdate)
         if cmd.weight_version is not None and (problem := version_problem(cmd.weight_version)):
             raise InvalidArgument(problem)
+        if problem := checksums_problem(cmd.checksums):
+            raise InvalidArgument(problem)
         async with self._lock:
             step = self._advance(S.Finish(version=cmd.weight_version, session_id=cmd.session_id or None))
             assert isinstance(step.state, S.Committing)
@@ -167,7 +170,7 @@ class WeightUpdateHandlers(_Base):
             self.session = committing
             sid = committing.session_id
             workers = self._workers()
-            prepared = await self._fan_out(PrepareCommit(session_id=sid), workers)
+            prepared = await self._fan_out(PrepareCommit(session_id=sid, checksums=cmd.checksums), workers)
             if not prepared.ok:
                 err = prepared.error("finish_weight_update (prepare)")
                 self.session = S.Open(sid, committing.target, committing.epoch)

@@ -296,7 +296,7 @@ class WorkerService:
 
     async def _prepare(self, cmd: AnyCommand) -> WorkerAck:
         assert isinstance(cmd, PrepareCommit)
-        await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s)
+        await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s, cmd.checksums)
         return self.ack()
 
     async def _commit(self, cmd: AnyCommand) -> WorkerAck:

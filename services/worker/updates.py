@@ -22,7 +22,7 @@ from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMo
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer
 from rlbus.transfer.buckets import validate
 from rlbus.transfer.factory import worker_transfer
-from rlbus.transfer.stream import recv_buckets, sole_tensor_bytes
+from rlbus.transfer.stream import recv_buckets, sole_tensor_bytes, verify
 
 from .engine import Engine
 
@@ -41,6 +41,8 @@ class _Session:
         self.done = anyio.Event()
         self.done.set()
         self.received: set[str] = set()
+        self.checksums: list[list[str]] = []
+        """What each receive of this session hashed, in the order the updates arrived."""
 
 
 class WeightUpdates:
@@ -143,6 +145,9 @@ class WeightUpdates:
         if s.receiving == 0:
             s.done = anyio.Event()
         s.receiving += 1
+        sums = s.checksums
+        sums.append([])
+        mine = len(sums) - 1
         live = self.engine.parameters_of(s.target)
         landed: set[int] = set()
 
@@ -172,11 +177,9 @@ class WeightUpdates:
         async def run() -> None:
             try:
                 async with self._recv_lock:
-                    await anyio.to_thread.run_sync(
+                    sums[mine] = await anyio.to_thread.run_sync(
                         lambda: recv_buckets(rx, list(params), list(buckets), sink, landing=landing), abandon_on_cancel=True
                     )
-            except ChecksumMismatch as e:
-                s.failure = s.failure or e
             except TransferError as e:
                 s.failure = s.failure or e
                 self.teardown()  # a broken group cannot be trusted for the next session
@@ -190,13 +193,19 @@ class WeightUpdates:
 
         tg.start_soon(run)
 
-    async def prepare(self, session_id: str, timeout: float) -> None:
-        """Phase 1 of finish: every receive done and verified."""
+    async def prepare(self, session_id: str, timeout: float, checksums: Sequence[str] = ()) -> None:
+        """Phase 1 of finish: every receive done, and every bucket's bytes hash to the
+        trainer's checksum (sent with finish, in the order the buckets were sent)."""
         s = self._open(session_id)
         with anyio.move_on_after(timeout):
             await s.done.wait()
         if s.receiving:
             raise Aborted(f"still receiving weights after {timeout:g}s; the trainer did not send every bucket")
+        if s.failure is None:
+            try:
+                verify([c for part in s.checksums for c in part], checksums)
+            except ChecksumMismatch as e:
+                s.failure = e
         if isinstance(s.failure, ChecksumMismatch):
             raise Aborted(f"checksum mismatch: {s.failure}")
         if s.failure is not None:

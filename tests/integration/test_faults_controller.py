@@ -272,7 +272,7 @@ async def test_a_retried_finish_with_the_same_command_id_commits_once_and_answer
     named = trained(31)
     await rl.start_weight_update()
     await rl.update_weights(named)
-    finish = FinishWeightUpdate(weight_version="once", command_id=uuid.uuid4().hex)
+    finish = FinishWeightUpdate(weight_version="once", checksums=rl._checksums, command_id=uuid.uuid4().hex)
 
     async with VersionEvents(rl) as events:
         first, duplicate = await asyncio.gather(rl._call(finish, FleetAck), rl._call(finish, FleetAck))

@@ -123,9 +123,9 @@ async def test_a_worker_too_slow_to_prepare_fails_the_finish_with_deadline_excee
     slow = f.workers["w1"]
     prepare = slow.updates.prepare
 
-    async def late_prepare(session_id: str, timeout: float) -> None:
+    async def late_prepare(session_id: str, timeout: float, checksums) -> None:  # noqa: ANN001
         await anyio.sleep(COMMAND_TIMEOUT_S + 1.0)  # the injected fault: a worker stuck in phase 1
-        await prepare(session_id, timeout)
+        await prepare(session_id, timeout, checksums)
 
     monkeypatch.setattr(slow.updates, "prepare", late_prepare)
     async with VersionEvents(rl) as events:

@@ -78,7 +78,7 @@ param_meta = st.builds(
     shape=st.lists(st.integers(-2, 2**62), max_size=4), bucket=st.integers(-3, 2**40),
     offset=st.integers(-(2**40), 2**40), nbytes=st.integers(-10, 2**62),
 )
-bucket_meta = st.builds(BucketMeta, index=st.integers(-3, 5), nbytes=st.integers(-10, 2**62), checksum=text)
+bucket_meta = st.builds(BucketMeta, index=st.integers(-3, 5), nbytes=st.integers(-10, 2**62))
 json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
                           lambda c: st.lists(c, max_size=3) | st.dictionaries(text, c, max_size=3), max_leaves=8)
 

@@ -118,9 +118,9 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                 victim = f.workers[rng.choice(sorted(f.workers))]
                 prepare = victim.updates.prepare
 
-                async def late_prepare(session_id: str, timeout: float, prepare=prepare) -> None:
+                async def late_prepare(session_id: str, timeout: float, checksums, prepare=prepare) -> None:  # noqa: ANN001
                     await anyio.sleep(COMMAND_TIMEOUT_S + 0.5)  # the injected fault: stuck in phase 1
-                    await prepare(session_id, timeout)
+                    await prepare(session_id, timeout, checksums)
 
                 monkeypatch.setattr(victim.updates, "prepare", late_prepare)
                 with pytest.raises(rlbus.DeadlineExceeded) as err:

@@ -21,12 +21,11 @@ from rlbus.transfer import (
     TransferError,
     TransferTimeout,
     checksum,
-    checksums,
     pack_all,
     prepare,
     recv_buckets,
-    send_buckets,
-    send_packed,
+    send_all,
+    send_stream,
     sole_tensor_bytes,
     trainer_transfer,
     worker_transfer,
@@ -100,16 +99,37 @@ def collect(params, buckets) -> Callable:
     return worker
 
 
+class Recording:
+    """A trainer transport that logs every bucket it is handed (its memory and size)."""
+
+    def __init__(self, tx, log: list) -> None:
+        self.tx, self.log = tx, log
+
+    def send(self, buf):
+        self.log.append(("send", buf.data_ptr(), buf.numel()))
+        return self.tx.send(buf)
+
+
+class ReadLog(dict):
+    """Named tensors that log which one is read, and when."""
+
+    def __init__(self, named, log: list) -> None:
+        super().__init__(named)
+        self.log = log
+
+    def get(self, name, default=None):
+        self.log.append(("read", name))
+        return super().get(name, default)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_destination(backend):
     named = model()
     p = prepare(named, BUCKET)
-    packed = pack_all(p, named)
     lookup = dict(named)
     solo = {ms[0].name for ms in p.per_bucket if len(ms) == 1 and lookup[ms[0].name].numel() * lookup[ms[0].name].element_size() * 2 >= BUCKET}
     assert solo == {"big"}
-    big_bucket = next(m.bucket for m in p.params if m.name == "big")
-    assert packed.buffers[big_bucket].data_ptr() == lookup["big"].data_ptr(), "sent from the tensor itself, not a copy"
+    sent: list = []
 
     def worker(rx, rank):
         dst = {n: torch.zeros_like(t) for n, t in named}
@@ -119,30 +139,45 @@ def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_dest
             if view.data_ptr() != dst[name].data_ptr():
                 dst[name].copy_(view)
                 copied.add(name)
-        recv_buckets(rx, p.params, packed.buckets, sink,
+        recv_buckets(rx, p.params, p.buckets, sink,
                      landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst))
         return dst, copied
 
-    for got in run_threads(new_init(backend, 2), lambda tx: send_packed(tx, packed), worker):
+    for got in run_threads(new_init(backend, 2), lambda tx: send_stream(Recording(tx, sent), p, named), worker):
         assert not isinstance(got, BaseException), got
         dst, copied = got
         assert all(torch.equal(dst[n], t) for n, t in named)
         assert "big" not in copied, "received straight into the destination tensor"
         assert copied == set(lookup) - {"big"}, "shared buckets go through scratch and are copied out"
+    assert ("send", lookup["big"].data_ptr(), lookup["big"].numel() * 4) in sent, "sent from the tensor itself, not a copy"
+
+
+def test_the_stream_sends_its_first_bucket_before_it_packs_the_last():
+    named = model()
+    p = prepare(named, BUCKET)
+    assert len(p.bucket_sizes) > 3
+    log: list = []
+    run_threads(new_init("gloo", 1), lambda tx: send_stream(Recording(tx, log), p, ReadLog(named, log)),
+                collect(p.params, p.buckets), workers=1)
+    first_send = next(i for i, e in enumerate(log) if e[0] == "send")
+    last_name = p.per_bucket[-1][-1].name
+    last_read = max(i for i, e in enumerate(log) if e == ("read", last_name))
+    assert first_send < last_read, "bucket 0 left before the last bucket was packed and hashed"
+    assert [e[2] for e in log if e[0] == "send"] == p.bucket_sizes, "one send per bucket, nothing else"
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("mode", ["pack_once", "pack_twice"])
+@pytest.mark.parametrize("mode", ["stream", "packed"])
 def test_round_trip_through_threads_is_bit_identical(backend, mode):
     named = model()
     p = prepare(named, BUCKET)
     assert len(p.bucket_sizes) > 3
-    if mode == "pack_once":
-        packed = pack_all(p, named)
-        buckets, send = packed.buckets, lambda tx: send_packed(tx, packed)
+    if mode == "stream":
+        send = lambda tx: send_stream(tx, p, named)  # noqa: E731
     else:
-        buckets, send = checksums(p, named), lambda tx: send_buckets(tx, p, named)
-    results = run_threads(new_init(backend, 2), send, collect(p.params, buckets))
+        packed = pack_all(p, named)
+        send = lambda tx: send_all(tx, packed.buffers)  # noqa: E731
+    results = run_threads(new_init(backend, 2), send, collect(p.params, p.buckets))
     for got in results:
         assert not isinstance(got, BaseException), got
         assert sorted(got) == sorted(n for n, _ in named)
@@ -156,29 +191,30 @@ def test_corrupted_bucket_raises_checksum_mismatch_and_group_stays_in_step(backe
     p = prepare(named, BUCKET)
     packed = pack_all(p, named)
     packed.buffers[1][5] ^= 0xFF  # corrupt after the checksum was taken
-    clean = pack_all(p, named)
     sunk: list[list[str]] = [[], []]
 
     def worker(rx, rank):
         try:
-            recv_buckets(rx, p.params, packed.buckets, lambda n, v: sunk[rank - 1].append(n))
+            recv_buckets(rx, p.params, p.buckets, lambda n, v: sunk[rank - 1].append(n), expected=packed.checksums)
         except ChecksumMismatch as e:
             first = e
         else:
             raise AssertionError("corruption not detected")
         # The group is still usable: the next update goes through.
         got: dict[str, torch.Tensor] = {}
-        recv_buckets(rx, p.params, clean.buckets, lambda n, v: got.__setitem__(n, v.clone()))
-        return first, got
+        sums = recv_buckets(rx, p.params, p.buckets, lambda n, v: got.__setitem__(n, v.clone()))
+        return first, got, sums
 
-    results = run_threads(new_init(backend, 2), lambda tx: (send_packed(tx, packed), send_packed(tx, clean)), worker)
-    bad = {m.name for m in p.params if m.bucket == 1}
+    sent: list = []
+    results = run_threads(new_init(backend, 2),
+                          lambda tx: (send_all(tx, packed.buffers), sent.append(send_stream(tx, p, named))), worker)
     for rank, res in enumerate(results):
         assert not isinstance(res, BaseException), res
-        err, got = res
-        assert err.bucket == 1 and err.expected == packed.buckets[1].checksum and err.got != err.expected
-        assert set(sunk[rank]) == {n for n, _ in named} - bad
+        err, got, sums = res
+        assert err.bucket == 1 and err.others == () and err.expected == packed.checksums[1] and err.got != err.expected
+        assert sorted(sunk[rank]) == sorted(n for n, _ in named), "every bucket was received (provisionally)"
         assert all(torch.equal(got[n], t) for n, t in named)
+        assert sums == sent[0] == packed.checksums, "the clean stream hashes to what the trainer hashed"
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -216,7 +252,7 @@ def test_group_can_be_closed_and_a_new_one_opened_in_the_same_process(backend):
     packed = pack_all(p, named)
     for _ in range(2):  # same group name twice: nothing of the first group lingers
         init = new_init(backend, 1, group=f"reopen-{backend}-{os.getpid()}")
-        results = run_threads(init, lambda tx: send_packed(tx, packed), collect(p.params, packed.buckets), workers=1)
+        results = run_threads(init, lambda tx: send_all(tx, packed.buffers), collect(p.params, p.buckets), workers=1)
         assert not isinstance(results[0], BaseException), results[0]
         assert all(torch.equal(results[0][n], t) for n, t in named)
 
@@ -226,15 +262,14 @@ def test_a_later_bucket_bigger_than_any_before_goes_through(backend):
     small = [("a", torch.arange(10, dtype=torch.float32))]
     big = [("b", torch.arange(5000, dtype=torch.float32))]
     ps, pb = prepare(small, BUCKET), prepare(big, 1 << 20)
-    pks, pkb = pack_all(ps, small), pack_all(pb, big)
 
     def worker(rx, rank):
         got: dict[str, torch.Tensor] = {}
-        recv_buckets(rx, ps.params, pks.buckets, lambda n, v: got.__setitem__(n, v.clone()))
-        recv_buckets(rx, pb.params, pkb.buckets, lambda n, v: got.__setitem__(n, v.clone()))
+        recv_buckets(rx, ps.params, ps.buckets, lambda n, v: got.__setitem__(n, v.clone()))
+        recv_buckets(rx, pb.params, pb.buckets, lambda n, v: got.__setitem__(n, v.clone()))
         return got
 
-    results = run_threads(new_init(backend, 2), lambda tx: (send_packed(tx, pks), send_packed(tx, pkb)), worker)
+    results = run_threads(new_init(backend, 2), lambda tx: (send_stream(tx, ps, small), send_stream(tx, pb, big)), worker)
     for got in results:
         assert not isinstance(got, BaseException), got
         assert torch.equal(got["a"], small[0][1]) and torch.equal(got["b"], big[0][1])
@@ -287,20 +322,19 @@ def spawn(code: str, arg: str, extra_env: dict[str, str] | None = None, **kw) ->
 def test_workers_in_separate_processes_receive_identical_tensors(backend):
     named = model(2)
     p = prepare(named, BUCKET)
-    packed = pack_all(p, named)
     tx = trainer_transfer(backend)
     bound = tx.bind(new_init(backend, 2, timeout_s=30.0))
     procs = [
         spawn(WORKER, json.dumps({
             "init": msgspec.json.encode(bound).decode(), "rank": r,
             "params": msgspec.json.encode(p.params).decode(),
-            "buckets": msgspec.json.encode(packed.buckets).decode(),
+            "buckets": msgspec.json.encode(p.buckets).decode(),
         }))
         for r in (1, 2)
     ]
     try:
         tx.open(bound)
-        send_packed(tx, packed)
+        send_stream(tx, p, named)
         outs = [proc.communicate(timeout=30) for proc in procs]
     finally:
         for proc in procs:
@@ -344,18 +378,17 @@ def test_receiver_whose_sender_dies_gets_an_error_instead_of_hanging(backend):
 def test_nccl_round_trip_between_two_processes_is_bit_identical():
     named = model(3)
     p = prepare(named, BUCKET)
-    packed = pack_all(p, named)
     tx = trainer_transfer("nccl")
     bound = tx.bind(new_init("nccl", 1, timeout_s=60.0))
     proc = spawn(WORKER, json.dumps({
         "init": msgspec.json.encode(bound).decode(), "rank": 1,
         "params": msgspec.json.encode(p.params).decode(),
-        "buckets": msgspec.json.encode(packed.buckets).decode(),
+        "buckets": msgspec.json.encode(p.buckets).decode(),
     }), extra_env={"CUDA_VISIBLE_DEVICES": "1"})
     try:
         torch.cuda.set_device(0)
         tx.open(bound)
-        send_packed(tx, packed)
+        send_stream(tx, p, named)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

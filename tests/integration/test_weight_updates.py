@@ -136,6 +136,45 @@ async def test_shape_mismatch_is_refused_naming_the_tensor_before_any_byte_moves
     await check_shape_mismatch_is_refused_before_bytes_move(*fleet, seed=71)
 
 
+async def test_a_finish_without_the_senders_checksums_aborts_and_changes_nothing(fleet):
+    """The bytes arrived, but the finish carries no checksums for them (it did not come from
+    the client that sent them): nothing can be verified, so nothing is committed."""
+    f, rl = fleet
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=10)
+    old = {w: snapshot(f, w) for w in f.workers}
+    version = (await rl.server_info()).weight_version
+    await rl.start_weight_update()
+    await rl.update_weights(trained(65))
+    assert rl._checksums, "the client kept the checksums of what it sent"
+    rl._checksums = rl._checksums[:-1]  # one bucket short
+    with pytest.raises(rlbus.Aborted) as err:
+        await rl.finish_weight_update(new_version("unverified"))
+    assert "checksum" in err.value.message and sorted(err.value.workers) == sorted(f.workers)
+    for wid in f.workers:
+        assert_holds(f, wid, old[wid])
+    assert (await rl.server_info()).weight_version == version
+    assert await first_watched_version(rl) == version
+
+
+async def test_malformed_checksums_are_refused_and_the_session_stays_open(fleet):
+    f, rl = fleet
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=10)
+    await rl.start_weight_update()
+    await rl.update_weights(trained(66))
+    rl._checksums = [c.upper() for c in rl._checksums]
+    with pytest.raises(rlbus.InvalidArgument) as err:
+        await rl.finish_weight_update(new_version("malformed"))
+    assert "hex" in err.value.message
+    assert (await rl.server_info()).session_id is not None, "a refused finish leaves the session open"
+    rl._checksums = [c.lower() for c in rl._checksums]
+    named = trained(66)
+    await rl.finish_weight_update(new_version("well-formed"))
+    for wid in f.workers:
+        assert_holds(f, wid, named)
+
+
 # ---- refusals ------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ def _commands() -> list[s.Command]:
         s.UpdateWeights(
             session_id="abc",
             params=[s.ParamMeta(name="w", dtype="bfloat16", shape=[2, 3], bucket=0, offset=0, nbytes=12)],
-            buckets=[s.BucketMeta(index=0, nbytes=64, checksum="ff")],
+            buckets=[s.BucketMeta(index=0, nbytes=64)],
         ),
         s.FinishWeightUpdate(weight_version="step-1"),
         s.PrepareCommit(session_id="abc"),

@@ -7,6 +7,7 @@ import torch
 
 from rlbus.schemas import BucketMeta, ParamMeta
 from rlbus.transfer import (
+    ChecksumMismatch,
     PlanError,
     UnsupportedDType,
     checksum,
@@ -20,7 +21,7 @@ from rlbus.transfer import (
     worker_transfer,
 )
 from rlbus.transfer.buckets import ALIGN, by_bucket
-from rlbus.transfer.stream import pack_all, prepare
+from rlbus.transfer.stream import pack_all, prepare, verify
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -159,21 +160,21 @@ def test_pack_all_matches_per_bucket_checksums():
     named = mixed_model()
     p = prepare(named, 128)
     packed = pack_all(p, named)
-    assert [b.index for b in packed.buckets] == list(range(len(p.bucket_sizes)))
+    assert [b.index for b in p.buckets] == list(range(len(p.bucket_sizes)))
+    assert [b.nbytes for b in p.buckets] == p.bucket_sizes
     assert all(b.data_ptr() % ALIGN == packed.pool.data_ptr() % ALIGN for b in packed.buffers)
-    for meta, buf in zip(packed.buckets, packed.buffers):
-        assert meta.checksum == checksum(buf) and meta.nbytes == buf.numel()
+    for size, sum_, buf in zip(p.bucket_sizes, packed.checksums, packed.buffers):
+        assert sum_ == checksum(buf) and size == buf.numel()
     again = pack_all(p, named, pool=packed.pool)
-    assert again.pool is packed.pool and again.buckets == packed.buckets
+    assert again.pool is packed.pool and again.checksums == packed.checksums
 
 
 def test_validate_accepts_a_real_plan_and_rejects_inconsistent_metadata():
     named = mixed_model()
     p = prepare(named, 256)
-    packed = pack_all(p, named)
-    validate(p.params, packed.buckets)
+    validate(p.params, p.buckets)
     a = ParamMeta(name="a", dtype="float32", shape=[4], bucket=0, offset=0, nbytes=16)
-    b = BucketMeta(index=0, nbytes=64, checksum="x")
+    b = BucketMeta(index=0, nbytes=64)
     with pytest.raises(PlanError):  # overlap
         validate([a, ParamMeta(name="b", dtype="float32", shape=[4], bucket=0, offset=8, nbytes=16)], [b])
     with pytest.raises(PlanError):  # nbytes does not match shape
@@ -183,7 +184,7 @@ def test_validate_accepts_a_real_plan_and_rejects_inconsistent_metadata():
     with pytest.raises(PlanError):  # bucket out of range
         validate([ParamMeta(name="a", dtype="float32", shape=[4], bucket=1, offset=0, nbytes=16)], [b])
     with pytest.raises(PlanError):  # buckets out of order
-        validate([], [BucketMeta(index=1, nbytes=1, checksum="x")])
+        validate([], [BucketMeta(index=1, nbytes=1)])
 
 
 def test_by_bucket_groups_in_offset_order():
@@ -200,3 +201,12 @@ def test_unknown_backend_name_is_refused():
         trainer_transfer("carrier-pigeon")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         worker_transfer("carrier-pigeon")  # type: ignore[arg-type]
+
+
+def test_verify_names_the_first_bad_bucket_and_a_missing_one():
+    verify(["a", "b"], ["a", "b"])
+    with pytest.raises(ChecksumMismatch) as err:
+        verify(["a", "x", "y"], ["a", "b", "c"])
+    assert err.value.bucket == 1 and err.value.others == (2,)
+    with pytest.raises(ChecksumMismatch, match="2 buckets were received, the trainer's checksums cover 3"):
+        verify(["a", "b"], ["a", "b", "c"])
