@@ -87,7 +87,7 @@ def worker_main() -> None:
             elif kind == "rlbus":
                 # as an in_place worker does: a bucket that is one tensor lands in it directly
                 recv_buckets(rx, params, buckets, lambda n, v: None if v.data_ptr() == dst[n].data_ptr() else dst[n].copy_(v),
-                             scratch=scratch, landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst))
+                             scratch=scratch, landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst), into=dst)
             else:
                 for d in dst_list:
                     rx.recv(d).wait()

@@ -8,6 +8,7 @@ tensors' bytes.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Mapping, Sequence
 
@@ -59,6 +60,9 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
     """Bytes of a dense tensor of this dtype and shape."""
     return math.prod(shape) * torch_dtype(dtype).itemsize
 
+
+_MEMMOVE_BELOW = 1 << 20
+"""pack copies a tensor smaller than this with ctypes.memmove (see pack)."""
 
 SOLO_FRACTION = 2
 """A tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own."""
@@ -140,27 +144,33 @@ def pack(
     ``metas`` may hold every ParamMeta of the plan or just this bucket's. ``out`` is
     a contiguous CPU uint8 buffer of at least the bucket's size; gaps between
     tensors (and up to the last tensor's aligned end) are zeroed. Returns ``out``.
+    Small contiguous CPU tensors are copied with one memmove each, not through two
+    torch views (~1 us a tensor instead of ~6); big ones with torch, which uses every core.
     """
-    if out.dtype != torch.uint8 or not out.is_contiguous():
-        raise PlanError("pack needs a contiguous uint8 output buffer")
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
+        raise PlanError("pack needs a contiguous CPU uint8 output buffer")
     mine = sorted((m for m in metas if m.bucket == bucket_index), key=lambda m: m.offset)
+    base, size = out.data_ptr(), out.numel()
     pos = 0
     for m in mine:
         t = named_lookup.get(m.name)
         if t is None:
             raise PlanError(f"tensor {m.name!r} of the plan is missing")
-        if dtype_name(t.dtype) != m.dtype or t.numel() * t.element_size() != m.nbytes:
+        if _TO_NAME.get(t.dtype) != m.dtype or t.numel() * t.element_size() != m.nbytes:
             raise PlanError(f"tensor {m.name!r} changed since planning (dtype/shape)")
-        if m.offset + m.nbytes > out.numel():
+        if m.offset + m.nbytes > size:
             raise PlanError(f"tensor {m.name!r} does not fit the output buffer")
         if m.offset > pos:
-            out[pos : m.offset].zero_()
+            ctypes.memset(base + pos, 0, m.offset - pos)
         if m.nbytes:
-            out[m.offset : m.offset + m.nbytes].copy_(as_bytes(t))
+            if m.nbytes < _MEMMOVE_BELOW and t.is_cpu and t.is_contiguous():
+                ctypes.memmove(base + m.offset, t.data_ptr(), m.nbytes)
+            else:
+                out[m.offset : m.offset + m.nbytes].copy_(as_bytes(t))
         pos = max(pos, m.offset + m.nbytes)
-    tail = min(align_up(pos), out.numel())
+    tail = min(align_up(pos), size)
     if tail > pos:
-        out[pos:tail].zero_()
+        ctypes.memset(base + pos, 0, tail - pos)
     return out
 
 
@@ -173,6 +183,24 @@ def unpack(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta]) -> list[tupl
     for m in metas_of_bucket:
         raw = buf[m.offset : m.offset + m.nbytes]
         out.append((m.name, raw.view(torch_dtype(m.dtype)).view(m.shape)))
+    return out
+
+
+def copy_out(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta],
+             into: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Copy every tensor of a bucket straight into ``into[name]`` and return ``(name, that
+    tensor)``; a tensor with no such destination (missing, strided, another size, or big:
+    torch copies those faster) comes back as a view into ``buf``, as :func:`unpack` gives."""
+    base = buf.data_ptr()
+    out: list[tuple[str, torch.Tensor]] = []
+    for m in metas_of_bucket:
+        d = into.get(m.name)
+        if d is not None and m.nbytes < _MEMMOVE_BELOW and d.is_cpu and d.is_contiguous() \
+                and d.numel() * d.element_size() == m.nbytes and m.offset + m.nbytes <= buf.numel():
+            ctypes.memmove(d.data_ptr(), base + m.offset, m.nbytes)
+            out.append((m.name, d))
+        else:
+            out.extend(unpack(buf, [m]))
     return out
 
 

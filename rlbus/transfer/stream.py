@@ -27,7 +27,7 @@ import torch
 
 from rlbus.schemas import BucketMeta, ParamMeta
 from rlbus.transfer.base import ChecksumMismatch, Handle, PlanError, TrainerTransfer, WorkerTransfer
-from rlbus.transfer.buckets import align_up, by_bucket, pack, plan, unpack, validate
+from rlbus.transfer.buckets import align_up, by_bucket, copy_out, pack, plan, unpack, validate
 from rlbus.transfer.checksum import checksum
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -172,6 +172,7 @@ Landing = Callable[[BucketMeta, Sequence[ParamMeta]], "torch.Tensor | None"]
 
 def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], sink: Sink,
                  *, scratch: list[torch.Tensor] | None = None, landing: Landing | None = None,
+                 into: Mapping[str, torch.Tensor] | None = None,
                  expected: Sequence[str] | None = None) -> list[str]:
     """Receive every bucket, hash it, and call ``sink(name, view)`` per tensor; returns the
     checksums it computed, in order.
@@ -181,7 +182,9 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
     until the update commits). ``view`` aliases a reused receive buffer, so the sink must
     copy it before returning — unless ``landing(bucket, metas)`` gave a buffer of its own
     for that bucket (exactly ``bucket.nbytes`` of contiguous uint8, e.g. the tensor's final
-    memory): then the bytes are received straight into it and the views alias it.
+    memory): then the bytes are received straight into it and the views alias it; or
+    ``into`` (the destination tensors, by name) has the tensor: then its bytes are already
+    copied there and ``view`` is ``into[name]`` itself (see :func:`copy_out`).
     ``expected``: the trainer's checksums, if already known; every bucket is received and
     then ChecksumMismatch is raised naming the first bad one (see :func:`verify`).
     Validate the metadata (:func:`rlbus.transfer.buckets.validate`) before acknowledging
@@ -219,7 +222,9 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
             buf_next = dest(k + 1)
             pending = rx.recv(buf_next)
         sums.append(checksum(buf))
-        for name, view in unpack(buf, per_bucket[k]):
+        in_scratch = bool(bufs) and any(buf.data_ptr() == b.data_ptr() for b in bufs)
+        for name, view in (copy_out(buf, per_bucket[k], into) if into is not None and in_scratch
+                           else unpack(buf, per_bucket[k])):
             sink(name, view)
     if expected is not None:
         verify(sums, expected)

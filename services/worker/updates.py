@@ -165,20 +165,21 @@ class WeightUpdates:
             return buf
 
         def sink(name: str, view: torch.Tensor) -> None:
-            in_place_already = view.untyped_storage().data_ptr() in landed
             if self.mode == "in_place":
                 s.touched = True
-                if not in_place_already:
+                if view.data_ptr() != live[name].data_ptr():  # not landed or copied there already
                     live[name].copy_(view)
             else:
-                s.staged[name] = view if in_place_already else view.clone()
+                s.staged[name] = view if view.untyped_storage().data_ptr() in landed else view.clone()
             s.received.add(name)
 
         async def run() -> None:
             try:
                 async with self._recv_lock:
                     sums[mine] = await anyio.to_thread.run_sync(
-                        lambda: recv_buckets(rx, list(params), list(buckets), sink, landing=landing), abandon_on_cancel=True
+                        lambda: recv_buckets(rx, list(params), list(buckets), sink, landing=landing,
+                                             into=live if self.mode == "in_place" else None),
+                        abandon_on_cancel=True,
                     )
             except TransferError as e:
                 s.failure = s.failure or e

@@ -152,6 +152,31 @@ def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_dest
     assert ("send", lookup["big"].data_ptr(), lookup["big"].numel() * 4) in sent, "sent from the tensor itself, not a copy"
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_tensors_of_shared_buckets_are_copied_straight_into_their_destinations(backend):
+    named = model()
+    p = prepare(named, BUCKET)
+
+    def worker(rx, rank):
+        dst = {n: torch.zeros_like(t) for n, t in named}
+        dst["ids"] = torch.zeros(5, 7, dtype=torch.int32).t()  # strided: handed over as a view instead
+        handed: dict[str, bool] = {}
+
+        def sink(name, got):
+            handed[name] = got is dst[name]
+            if not handed[name]:
+                dst[name].copy_(got)
+        recv_buckets(rx, p.params, p.buckets, sink, into=dst)
+        return dst, handed
+
+    for got in run_threads(new_init(backend, 2), lambda tx: send_stream(tx, p, named), worker):
+        assert not isinstance(got, BaseException), got
+        dst, handed = got
+        assert all(torch.equal(dst[n], t) for n, t in named)
+        assert {n for n, straight in handed.items() if not straight} == {"ids"}, \
+            "every small contiguous tensor was copied into its destination, not handed over as a view"
+
+
 def test_the_stream_sends_its_first_bucket_before_it_packs_the_last():
     named = model()
     p = prepare(named, BUCKET)

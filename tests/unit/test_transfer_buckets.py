@@ -20,7 +20,7 @@ from rlbus.transfer import (
     validate,
     worker_transfer,
 )
-from rlbus.transfer.buckets import ALIGN, by_bucket
+from rlbus.transfer.buckets import ALIGN, by_bucket, copy_out
 from rlbus.transfer.stream import pack_all, prepare, verify
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
@@ -210,3 +210,15 @@ def test_verify_names_the_first_bad_bucket_and_a_missing_one():
     assert err.value.bucket == 1 and err.value.others == (2,)
     with pytest.raises(ChecksumMismatch, match="2 buckets were received, the trainer's checksums cover 3"):
         verify(["a", "b"], ["a", "b", "c"])
+
+
+def test_copy_out_fills_destinations_and_hands_back_views_where_it_cannot():
+    named = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.arange(4, dtype=torch.int16)),
+             ("c", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+    metas, sizes = plan(named, 1 << 20)
+    buf = pack(0, metas, dict(named), torch.empty(sizes[0], dtype=torch.uint8))
+    into = {"a": torch.zeros(6), "c": torch.zeros(3, 2).t()}  # no "b"; "c" strided
+    got = dict(copy_out(buf, metas, into))
+    assert got["a"] is into["a"] and torch.equal(into["a"], named[0][1])
+    assert torch.equal(got["b"], named[1][1]) and got["b"].data_ptr() != named[1][1].data_ptr()
+    assert got["c"] is not into["c"] and torch.equal(got["c"], named[2][1]) and not into["c"].any()
