@@ -236,7 +236,8 @@ class ShmWorker:
         self._raw: dist.TCPStore | None = None
         self._segs: dict[str, _Segment] = {}
         self._workers = 0
-        self._posted: dict[int, torch.Tensor] = {}
+        self._posted: dict[int, torch.Tensor | int] = {}
+        self._views: dict[int, torch.Tensor] = {}
         self._seq = 0
         self._done = 0
 
@@ -267,27 +268,45 @@ class ShmWorker:
         self._seq += 1
         return _Copy(self, k)
 
+    def recv_view(self, nbytes: int) -> _View:
+        """Take the next bucket where it lies in shared memory, copying nothing: the
+        handle's ``wait`` returns a uint8 view of it, readable until ``release()``, which
+        tells the trainer this worker is done with it (the trainer reuses that memory only
+        after every worker released it). Views complete in order with ``recv``."""
+        k = self._seq
+        self._posted[k] = nbytes
+        self._seq += 1
+        return _View(self, k)
+
     def _complete_through(self, k: int) -> None:
         while self._done <= k:
-            self._copy_one(self._done)
+            self._take(self._done)
             self._done += 1
 
-    def _copy_one(self, k: int) -> None:
-        buf = self._posted.pop(k)
+    def _take(self, k: int) -> None:
+        into = self._posted.pop(k)
+        want = into if isinstance(into, int) else into.numel()
         self._store.wait(f"shm/ready/{k}", f"waiting for bucket {k}")
         store = self._store.store
         raw = self._store.call(f"reading bucket {k}", store.get, f"shm/ready/{k}")
         name, off_s, n_s = raw.decode().split("|")
         off, n = int(off_s), int(n_s)
-        if n != buf.numel():
-            raise TransferError(f"bucket {k} has {n} bytes, the receive buffer {buf.numel()}")
+        if n != want:
+            raise TransferError(f"bucket {k} has {n} bytes, the receive buffer {want}")
         seg = self._segs.get(name)
         if seg is None:
             try:
                 seg = self._segs[name] = _Segment.attach(name)
             except OSError as e:
                 raise TransferError(f"cannot map shared memory {name!r} (same host?): {e}") from e
-        buf.copy_(seg.data[off : off + n])
+        if isinstance(into, int):
+            self._views[k] = seg.data[off : off + n]  # acked on release
+            return
+        into.copy_(seg.data[off : off + n])
+        self._ack(k)
+
+    def _ack(self, k: int) -> None:
+        store = self._store.store
         if self._store.call(f"acking bucket {k}", store.add, f"shm/ack/{k}", 1) == self._workers:
             self._store.call(f"acking bucket {k}", store.set, f"shm/acked/{k}", "1")
 
@@ -297,6 +316,7 @@ class ShmWorker:
             seg.close()
         self._segs = {}
         self._posted.clear()
+        self._views.clear()
         self._store = _NotOpen()
         self._raw = None
 
@@ -307,3 +327,16 @@ class _Copy:
 
     def wait(self) -> None:
         self._rx._complete_through(self._k)
+
+
+class _View:
+    def __init__(self, rx: ShmWorker, k: int) -> None:
+        self._rx, self._k = rx, k
+
+    def wait(self) -> torch.Tensor:
+        self._rx._complete_through(self._k)
+        return self._rx._views[self._k]
+
+    def release(self) -> None:
+        if self._rx._views.pop(self._k, None) is not None:
+            self._rx._ack(self._k)

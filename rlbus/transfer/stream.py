@@ -179,8 +179,9 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
 
     The sink sees bytes before they are verified: treat them as provisional until the
     checksums were compared (staged: keep them aside; in place: the parameter is dirty
-    until the update commits). ``view`` aliases a reused receive buffer, so the sink must
-    copy it before returning — unless ``landing(bucket, metas)`` gave a buffer of its own
+    until the update commits). ``view`` aliases a reused receive buffer (or, over shm, the
+    trainer's shared memory, which it reuses), so the sink must copy it before returning —
+    unless ``landing(bucket, metas)`` gave a buffer of its own
     for that bucket (exactly ``bucket.nbytes`` of contiguous uint8, e.g. the tensor's final
     memory): then the bytes are received straight into it and the views alias it; or
     ``into`` (the destination tensors, by name) has the tensor: then its bytes are already
@@ -206,26 +207,34 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
             bufs.extend(scratch if usable else alloc_buffers(biggest))  # type: ignore[arg-type]
         return bufs[k % 2][: buckets[k].nbytes]
 
-    def dest(k: int) -> torch.Tensor:
-        # a landing buffer (the tensor's final memory) saves the copy out of scratch
+    views = getattr(rx, "recv_view", None)
+
+    def post(k: int) -> tuple[torch.Tensor | None, Handle]:
+        """Start receiving bucket k: into its landing buffer (the tensor's final memory) if
+        it has one, else as a view where the transport holds it (shm: no copy at all; None),
+        else into scratch, to be copied out."""
         got = landing(buckets[k], per_bucket[k]) if landing is not None else None
         if got is not None and got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous():
-            return got
-        return scratch_for(k)
+            return got, rx.recv(got)
+        if views is not None:
+            return None, views(buckets[k].nbytes)
+        buf = scratch_for(k)
+        return buf, rx.recv(buf)
 
-    buf_next = dest(0)
-    pending = rx.recv(buf_next)
+    nxt = post(0)
     for k in range(len(buckets)):
-        pending.wait()
-        buf = buf_next
+        buf, pending = nxt
+        view = pending.wait()
         if k + 1 < len(buckets):
-            buf_next = dest(k + 1)
-            pending = rx.recv(buf_next)
+            nxt = post(k + 1)
+        if buf is None:
+            buf = view
         sums.append(checksum(buf))
-        in_scratch = bool(bufs) and any(buf.data_ptr() == b.data_ptr() for b in bufs)
-        for name, view in (copy_out(buf, per_bucket[k], into) if into is not None and in_scratch
-                           else unpack(buf, per_bucket[k])):
-            sink(name, view)
+        copied = into is not None and (view is not None or any(buf.data_ptr() == b.data_ptr() for b in bufs))
+        for name, tensor in (copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k])):
+            sink(name, tensor)
+        if view is not None:
+            pending.release()  # type: ignore[attr-defined]
     if expected is not None:
         verify(sums, expected)
     return sums

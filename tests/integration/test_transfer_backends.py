@@ -177,6 +177,25 @@ def test_tensors_of_shared_buckets_are_copied_straight_into_their_destinations(b
             "every small contiguous tensor was copied into its destination, not handed over as a view"
 
 
+def test_over_shm_a_worker_reads_buckets_where_they_lie_and_copies_each_byte_once():
+    named = model()
+    p = prepare(named, BUCKET)
+
+    def worker(rx, rank):
+        scratch = [torch.zeros(p.max_bucket, dtype=torch.uint8) for _ in range(2)]
+        dst = {n: torch.zeros_like(t) for n, t in named}
+        dst["ids"] = torch.zeros(5, 7, dtype=torch.int32).t()
+        recv_buckets(rx, p.params, p.buckets, lambda n, v: None if v is dst[n] else dst[n].copy_(v),
+                     scratch=scratch, into=dst)
+        return dst, scratch
+
+    for got in run_threads(new_init("shm", 2), lambda tx: send_stream(tx, p, named), worker):
+        assert not isinstance(got, BaseException), got
+        dst, scratch = got
+        assert all(torch.equal(dst[n], t) for n, t in named)
+        assert not any(b.any() for b in scratch), "no bucket was copied into a receive buffer first"
+
+
 def test_the_stream_sends_its_first_bucket_before_it_packs_the_last():
     named = model()
     p = prepare(named, BUCKET)
