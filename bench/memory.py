@@ -15,6 +15,9 @@ mark since process start) is read at the end as a cross-check.
   extra     peak - baseline, against the targets
             in_place: extra <= 2 buckets           (peak <= model + 2 buckets)
             staged:   extra <= model + 2 buckets   (peak <= 2 x model + 2 buckets)
+
+The trainer (this process) is sampled the same way: its extra is the two scratch buffers
+update_weights packs the shared buckets into (a bucket that is one tensor is sent from it).
 """
 
 from __future__ import annotations
@@ -123,13 +126,15 @@ async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor
                 await rl.init_weight_transfer()
                 await anyio.sleep(0.5)
                 baseline = proc_status(worker.pid)["VmRSS"]
-                peaks, secs = [], []
+                trainer_baseline = proc_status(os.getpid())["VmRSS"]
+                peaks, secs, trainer_peak = [], [], 0
                 for k in range(pushes):
                     t0 = time.monotonic()
-                    with Sampler(worker.pid) as s:
+                    with Sampler(worker.pid) as s, Sampler(os.getpid()) as me:
                         await rl.push_weights(new, f"v{k + 1}", bucket_bytes=bucket)
                     secs.append(time.monotonic() - t0)
                     peaks.append(s.peak)
+                    trainer_peak = max(trainer_peak, me.peak)
                 after = proc_status(worker.pid)
                 version = await rl.get_weight_version()
                 assert version == f"v{pushes}", version
@@ -139,7 +144,7 @@ async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor
             _stop(worker)
             _stop(ctrl)
     return {"baseline": baseline, "peaks": peaks, "hwm": after["VmHWM"], "rss_after": after["VmRSS"], "secs": secs,
-            "samples": s.samples}
+            "samples": s.samples, "trainer_extra": trainer_peak - trainer_baseline}
 
 
 async def amain(a: argparse.Namespace) -> None:
@@ -171,6 +176,9 @@ async def amain(a: argparse.Namespace) -> None:
         ok = "met" if extra <= target else "MISSED"
         print(f"{mode:8s} {r['baseline'] / MiB:7.0f}Mi {peak / MiB:7.0f}Mi {r['hwm'] / MiB:7.0f}Mi {extra / MiB:7.0f}Mi "
               f"{target / MiB:7.0f}Mi {extra / target:12.2f}x   {extra / model_bytes:15.2f} {extra / bucket:16.2f}   {ok}")
+    for mode, r in rows:
+        print(f"trainer during the {mode} pushes: extra {r['trainer_extra'] / MiB:.0f} MiB = "
+              f"{r['trainer_extra'] / bucket:.2f} buckets = {r['trainer_extra'] / model_bytes:.2f} x model (two scratch buffers)")
     print("\ntargets: in_place extra <= 2 buckets (peak <= model + 2 buckets); "
           "staged extra <= model + 2 buckets (peak <= 2 x model + 2 buckets). MiB = 2^20 bytes.")
 

@@ -169,7 +169,9 @@ class WeightUpdateCalls(_Base):
         tx = self._tx
         if tx is None:
             raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
-        named = [(n, t.detach().to("cpu") if t.device.type != "cpu" else t.detach()) for n, t in named_tensors]
+        # GPU tensors stay where they are: each is copied to the host as its bucket is packed,
+        # overlapping the wire, and the host never holds more than the two scratch buckets.
+        named = [(n, t.detach()) for n, t in named_tensors]
         size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self._init.backend if self._init else "gloo"]
         plan = prepare(named, size)
         # A transport that can share the trainer's memory (shm) hands out the scratch
