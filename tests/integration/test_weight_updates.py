@@ -157,6 +157,21 @@ async def test_a_finish_without_the_senders_checksums_aborts_and_changes_nothing
     assert await first_watched_version(rl) == version
 
 
+async def test_an_update_split_into_several_metadata_messages_commits_with_every_checksum_in_order(fleet, monkeypatch):
+    f, rl = fleet
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=10)
+    monkeypatch.setattr(rlbus.updates, "_MAX_META_BYTES", 2000)  # a few tensors per UpdateWeights
+    named = trained(67)
+    await rl.start_weight_update()
+    await rl.update_weights(named, bucket_bytes=4096)
+    sessions = [w.updates.session for w in f.workers.values()]
+    assert all(s is not None and len(s.checksums) > 2 for s in sessions), "the update went out in several streams"
+    await rl.finish_weight_update(new_version("split"))
+    for wid in f.workers:
+        assert_holds(f, wid, named)
+
+
 async def test_malformed_checksums_are_refused_and_the_session_stays_open(fleet):
     f, rl = fleet
     if not rl.transfer_ready:
