@@ -1,6 +1,6 @@
 """Control-plane benchmark: rlbus pause+resume rounds against a raw NATS scatter-gather.
 
-    python bench/control.py [--workers 1,8,64,256] [--rounds 20] [--per-conn 16] [--profile 64]
+    python bench/control.py [--workers 1,8,64,256] [--rounds 40] [--per-conn 16] [--profile 64]
 
 For each fleet size N, in one process on one event loop, against one embedded nats-server:
   rlbus  a ControllerService and N real WorkerServices (engine: bench/weightless.py, so no
@@ -11,7 +11,9 @@ For each fleet size N, in one process on one event loop, against one embedded na
          answered; the client sends 2 sequential requests per round. Payload sizes match
          rlbus's (command, WorkerAck, FleetAck), and the connections are laid out the same.
 Workers share NATS connections round-robin (--per-conn workers per connection), in both.
-Median ms per round over --rounds after 3 warm-up rounds; ratio = rlbus / raw (1.0 = the limit).
+Both fleets run at once and the rounds alternate between them in blocks, so a slow spell of
+a shared machine hits both alike. Median ms per round over --rounds after 3 warm-up rounds;
+ratio = rlbus / raw (1.0 = the limit).
 --profile N: also cProfile the rlbus rounds at N and print where the time goes.
 """
 
@@ -30,6 +32,8 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -48,6 +52,8 @@ from rlbus.services.controller.service import ControllerOptions, ControllerServi
 from rlbus.services.worker.service import WorkerOptions, WorkerService  # noqa: E402
 
 WARMUP = 3
+BLOCKS = 5
+"""Rounds alternate between rlbus and raw in this many blocks each."""
 GOAL_N, GOAL_RATIO = 64, 1.5
 
 
@@ -62,24 +68,26 @@ class Result:
         return statistics.median(self.per_round) * 1e3
 
 
+class Fleet:
+    """One side of the comparison, set up and ready: ``round()`` runs one round."""
+
+    round: Callable[[], Awaitable[None]]
+    session_round: Callable[[], Awaitable[None]] | None = None
+    """rlbus only: start_weight_update + finish_weight_update with no tensors."""
+    sizes: dict[str, int]
+    note: str = ""
+
+
 async def _conns(url: str, n: int, per_conn: int, tag: str) -> list:
     return [await connect(url, name=f"bench-{tag}-{k}") for k in range(max(1, math.ceil(n / per_conn)))]
 
 
-async def _timed_rounds(one_round, rounds: int, profiler: cProfile.Profile | None = None) -> list[float]:
-    """Per-round seconds after the warm-up; with a profiler, `rounds` more (untimed) rounds run under it."""
-    for _ in range(WARMUP):
-        await one_round()
+async def _timed(one_round, rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         await one_round()
         times.append(time.perf_counter() - t0)
-    if profiler:
-        profiler.enable()
-        for _ in range(rounds):
-            await one_round()
-        profiler.disable()
     return times
 
 
@@ -98,7 +106,9 @@ async def _discovered(nc, name: str, wait: float = 0.5) -> int:
     return len(got)
 
 
-async def bench_rlbus(url: str, n: int, rounds: int, per_conn: int, profiler: cProfile.Profile | None) -> Result:
+@asynccontextmanager
+async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Fleet]:
+    """A controller and n real WorkerServices on one event loop, and a trainer's RLClient."""
     subjects = Subjects(prefix=f"b{n}x{uuid.uuid4().hex[:6]}")
     ctrl_nc = await connect(url, name="bench-controller")
     trainer_nc = await connect(url, name="bench-trainer")
@@ -117,38 +127,38 @@ async def bench_rlbus(url: str, n: int, rounds: int, per_conn: int, profiler: cP
             with anyio.fail_after(30):
                 await controller.wait_for(lambda reg: len(reg.ids()) >= n)
             found = await _discovered(trainer_nc, "rlbus-worker")
+            fleet = Fleet()
 
             async def one_round() -> None:
                 await rl.pause("abort")
                 await rl.resume()
 
-            times = await _timed_rounds(one_round, rounds, profiler)
-
             async def session_round() -> None:
                 await rl.start_weight_update()
                 await rl.finish_weight_update()  # two-phase: prepare + commit, version kept in KV
 
-            session_times = await _timed_rounds(session_round, rounds)
-            fleet = await rl.pause("abort")
+            ack = await rl.pause("abort")
             await rl.resume()
-            sizes = {
+            assert len(ack.workers) == n, f"{len(ack.workers)} of {n} workers answered"
+            fleet.round, fleet.session_round = one_round, session_round
+            fleet.sizes = {
                 "command": len(encode(Pause(mode="abort", epoch=1, command_id=uuid.uuid4().hex))),
                 "worker_ack": len(encode(WorkerAck(state=workers[0].state()))),
-                "fleet_ack": len(encode(fleet)),
+                "fleet_ack": len(encode(ack)),
             }
-            assert len(fleet.workers) == n, f"{len(fleet.workers)} of {n} workers answered"
+            fleet.note = f"$SRV.PING: {found}/{n} workers"
+            yield fleet
             for w in workers:
                 w.stop()
             controller.stop()
     finally:
         for nc in [ctrl_nc, trainer_nc, *wconns]:
             await nc.close()
-    result = Result(times, sizes, note=f"$SRV.PING: {found}/{n} workers")
-    result.session = Result(session_times, sizes)
-    return result
 
 
-async def bench_raw(url: str, n: int, rounds: int, per_conn: int, sizes: dict[str, int]) -> Result:
+@asynccontextmanager
+async def raw_fleet(url: str, n: int, per_conn: int, sizes: dict[str, int]) -> AsyncIterator[Fleet]:
+    """The same shape with no rlbus code: raw responders and a scatter-gathering subscriber."""
     prefix = f"raw{n}x{uuid.uuid4().hex[:6]}"
     ctrl_nc = await nats.connect(url, name="raw-controller")
     trainer_nc = await nats.connect(url, name="raw-trainer")
@@ -174,16 +184,42 @@ async def bench_raw(url: str, n: int, rounds: int, per_conn: int, sizes: dict[st
         await ctrl_nc.subscribe(f"{prefix}.control.*", cb=controller)
         for nc in [ctrl_nc, *wconns]:
             await nc.flush()
+        fleet = Fleet()
 
         async def one_round() -> None:
             await trainer_nc.request(f"{prefix}.control.pause", command, timeout=30)
             await trainer_nc.request(f"{prefix}.control.resume", command, timeout=30)
 
-        times = await _timed_rounds(one_round, rounds)
+        fleet.round, fleet.sizes = one_round, sizes
+        yield fleet
     finally:
         for nc in [ctrl_nc, trainer_nc, *wconns]:
             await nc.close()
-    return Result(times, sizes)
+
+
+async def measure(url: str, n: int, rounds: int, per_conn: int, profiler: cProfile.Profile | None) -> tuple[Result, Result]:
+    """Both fleets up at once; rounds alternate between them in blocks (rlbus, raw, rlbus, ...),
+    so a slow spell of a shared machine hits both alike."""
+    async with rlbus_fleet(url, n, per_conn) as rl, raw_fleet(url, n, per_conn, rl.sizes) as raw:
+        for _ in range(WARMUP):
+            await rl.round()
+            await raw.round()
+        rl_times: list[float] = []
+        raw_times: list[float] = []
+        block = max(1, rounds // BLOCKS)
+        while len(rl_times) < rounds:
+            rl_times += await _timed(rl.round, min(block, rounds - len(rl_times)))
+            raw_times += await _timed(raw.round, min(block, rounds - len(raw_times)))
+        assert rl.session_round is not None
+        session = await _timed(rl.session_round, rounds)
+        if profiler:
+            profiler.enable()
+            for _ in range(rounds):
+                await rl.round()
+            profiler.disable()
+    result = Result(rl_times, rl.sizes, note=rl.note)
+    result.session = Result(session, rl.sizes)  # type: ignore[attr-defined]
+    return result, Result(raw_times, rl.sizes)
 
 
 def print_profile(profiler: cProfile.Profile, n: int, rounds: int) -> None:
@@ -234,8 +270,7 @@ async def amain(a: argparse.Namespace) -> None:
         for n in ns:
             prof = cProfile.Profile() if a.profile == n else None
             t0 = time.monotonic()
-            rl = await bench_rlbus(server.url, n, a.rounds, a.per_conn, prof)
-            raw = await bench_raw(server.url, n, a.rounds, a.per_conn, rl.sizes)
+            rl, raw = await measure(server.url, n, a.rounds, a.per_conn, prof)
             rows.append((n, rl, raw))
             print(f"  N={n:<4d} done in {time.monotonic() - t0:5.1f}s  ({rl.note}; payload bytes: {rl.sizes})", flush=True)
             if prof:
@@ -261,7 +296,7 @@ async def amain(a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="1,8,64,256")
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--per-conn", type=int, default=16, help="workers sharing one NATS connection")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the rlbus rounds at this N")
     a = ap.parse_args()
