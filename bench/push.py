@@ -1,11 +1,16 @@
 """Full-path weight push: rlbus start -> update -> finish (version committed) to R worker
 processes, against the raw limit measured in the same run: one flat torch.distributed
-broadcast of the same bytes to R receiver processes.
+broadcast of the same bytes to R receiver processes; and, for --model small, against the
+naive way (one broadcast per tensor, no control plane at all).
 
-    python bench/push.py [--size-mb 1024] [--receivers 1,2,3] [--reps 3] [--mode in_place|staged]
+    python bench/push.py [--model tinylm|mixed|small] [--size-mb 1024] [--receivers 1,2,3]
+                         [--reps 3] [--mode in_place|staged]
 
-The two are measured alternately, best of --reps each, so drift on a shared machine
-hits both alike.
+Models: tinylm, the reference engine's transformer (big matrices, a few small tensors);
+mixed, ~200 tensors of mixed sizes and dtypes; small, ~1,000 small tensors (32 MiB at most).
+Workers host the reference engine (tinylm) or bench/weightless.py's TensorEngine holding the
+same tensors (mixed, small); either way they are real worker processes. The kinds are
+measured alternately, best of --reps each, so drift on a shared machine hits all alike.
 
 The rlbus time includes everything a trainer waits for: metadata through the controller
 (every worker checks names/dtypes/shapes), packing and checksumming, the broadcast, every
@@ -27,12 +32,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import config_for  # noqa: E402
 from transfer import Fleet as RawFleet  # noqa: E402
+from transfer import mixed_model  # noqa: E402
+from weightless import TensorEngine  # noqa: E402
 
+from rlbus.children import spawn  # noqa: E402
 from rlbus.launcher import Fleet  # noqa: E402
 from rlbus.natsserver import NatsServer  # noqa: E402
 from rlbus.services.worker.model import TinyLM  # noqa: E402
+from rlbus.transfer.buckets import as_bytes  # noqa: E402
 
 MiB = 1 << 20
+
+
+def model_named(model: str, size_mb: int) -> list[tuple[str, torch.Tensor]]:
+    """The tensors pushed (and, for mixed/small, the ones every worker holds: same names,
+    dtypes and shapes, other values)."""
+    if model == "tinylm":
+        return [(n, p.detach()) for n, p in TinyLM(config_for(size_mb)).named_parameters()]
+    if model == "mixed":
+        return mixed_model(size_mb * MiB, 200, 0)
+    return mixed_model(min(size_mb * MiB // 8, 32 * MiB), 1000, 1)
 
 
 def worker_flags(cfg, mode: str) -> list[str]:  # noqa: ANN001
@@ -43,29 +62,64 @@ def worker_flags(cfg, mode: str) -> list[str]:  # noqa: ANN001
     ]
 
 
-async def measure(url: str, r: int, cfg, named, flat, reps: int, mode: str, bucket: int) -> tuple[float, float]:  # noqa: ANN001
-    """Best seconds of the raw flat broadcast and of the rlbus push to R receivers, measured
-    alternately (raw, rlbus, raw, rlbus, ...) so that a slow spell of a shared machine hits
-    both sides alike; each rlbus push commits a new version."""
-    fleet = Fleet(url, r, worker_flags(cfg, mode), log_level="WARNING")
+class TensorFleet(Fleet):
+    """A controller (rlbus CLI) and R worker processes hosting a TensorEngine."""
+
+    def __init__(self, url: str, workers: int, model: str, size_mb: int, mode: str) -> None:
+        super().__init__(url, workers, log_level="WARNING")
+        self.serve_args = ["--model", model, "--size-mb", str(size_mb), "--mode", mode]
+
+    def start(self) -> None:
+        self._spawn("controller", ["controller", "--nats-url", self.url])
+        env = dict(os.environ, RLBUS_LOG_LEVEL="WARNING")
+        for i in range(self.n_workers):
+            self.procs[f"worker-{i}"] = spawn([sys.executable, __file__, "--serve", "--nats-url", self.url,
+                                               "--id", f"worker-{i}", *self.serve_args], env=env)
+
+
+def serve_worker(a: argparse.Namespace) -> None:
+    """A worker process for mixed/small: TensorEngine behind the real WorkerService."""
+    from rlbus.serve import serve
+    from rlbus.services.worker.service import WorkerOptions, WorkerService
+
+    torch.set_num_threads(1)
+    held = [(n, torch.zeros_like(t)) for n, t in model_named(a.model, a.size_mb)]
+    opts = WorkerOptions(worker_id=a.id, weight_transfer_backend="gloo", update_mode=a.mode)
+    anyio.run(lambda: serve(a.nats_url, f"rlbus-worker-{a.id}", lambda nc: WorkerService(nc, TensorEngine(held), opts)))
+
+
+async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[str, float]:  # noqa: ANN001
+    """Best seconds of the raw flat broadcast, the rlbus push (and the naive per-tensor
+    broadcasts, for small) to R receivers, measured alternately; each push commits a version."""
+    if a.model == "tinylm":
+        fleet: Fleet = Fleet(url, r, worker_flags(config_for(a.size_mb), a.mode), log_level="WARNING")
+    else:
+        fleet = TensorFleet(url, r, a.model, a.size_mb, a.mode)
     raw_fleet = RawFleet(r)
     fleet.start()
+    sizes = [t.numel() * t.element_size() for _, t in named]
+    kinds = {
+        "raw": lambda: raw_fleet.run(r, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()]),
+    }
+    if a.model == "small":
+        kinds["naive"] = lambda: raw_fleet.run(r, "gloo", "naive", 1, lambda tx: [tx.send(as_bytes(t)).wait() for _, t in named],
+                                               sizes=sizes)
     try:
         rl = await fleet.wait_ready()
         rl.timeout = 300
         await rl.init_weight_transfer(timeout_s=120)
-        raw_best = rl_best = float("inf")
-        for rep in range(reps + 1):
-            raw = await anyio.to_thread.run_sync(
-                lambda: raw_fleet.run(r, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()]))
+        best = dict.fromkeys([*kinds, "rlbus"], float("inf"))
+        for rep in range(a.reps + 1):
+            took = {k: await anyio.to_thread.run_sync(run) for k, run in kinds.items()}
             t0 = time.monotonic()
             await rl.start_weight_update()
-            await rl.update_weights(named, bucket_bytes=bucket)
+            await rl.update_weights(named, bucket_bytes=a.bucket_mb * MiB)
             await rl.finish_weight_update(f"bench-{rep}")
+            took["rlbus"] = time.monotonic() - t0
             if rep:  # the first push warms buffers and pools
-                raw_best, rl_best = min(raw_best, raw), min(rl_best, time.monotonic() - t0)
+                best = {k: min(best[k], took[k]) for k in best}
         await rl.close()
-        return raw_best, rl_best
+        return best
     finally:
         fleet.stop()
         raw_fleet.close()
@@ -73,29 +127,37 @@ async def measure(url: str, r: int, cfg, named, flat, reps: int, mode: str, buck
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB)")
+    ap.add_argument("--model", default="tinylm", choices=["tinylm", "mixed", "small"])
+    ap.add_argument("--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB; small: an eighth, 32 MiB at most)")
     ap.add_argument("--receivers", default="1,2,3")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="in_place", choices=["in_place", "staged"])
     ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--nats-url", help=argparse.SUPPRESS)
+    ap.add_argument("--id", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.serve:
+        return serve_worker(a)
     torch.set_num_threads(1)
-    cfg = config_for(a.size_mb)
-    model = TinyLM(cfg)
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    named = model_named(a.model, a.size_mb)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     flat = torch.ones(nbytes, dtype=torch.uint8)
     print(f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}")
-    print(f"model: {len(named)} tensors, {nbytes / MiB:.0f} MiB float32; bucket {a.bucket_mb} MiB; worker mode {a.mode}")
+    print(f"model {a.model}: {len(named)} tensors, {nbytes / MiB:.0f} MiB; bucket {a.bucket_mb} MiB; worker mode {a.mode}")
     rows = []
     with NatsServer() as server:
         for r in [int(x) for x in a.receivers.split(",")]:
-            raw, full = anyio.run(measure, server.url, r, cfg, named, flat, a.reps, a.mode, a.bucket_mb * MiB)
-            rows.append((r, raw, full))
+            rows.append((r, anyio.run(measure, server.url, r, a, named, flat)))
             print(f"  R={r} done", flush=True)
-    print(f"\n{'R':>3} {'raw GB/s':>9} {'rlbus GB/s':>11} {'rlbus/raw':>10}   goal >= 0.9")
-    for r, raw, full in rows:
-        print(f"{r:3d} {nbytes / raw / 1e9:9.2f} {nbytes / full / 1e9:11.2f} {raw / full:10.2f}")
+    naive = a.model == "small"
+    print(f"\n{'R':>3} {'raw GB/s':>9} {'rlbus GB/s':>11} {'rlbus/raw':>10}" + (f" {'naive GB/s':>11} {'rlbus/naive':>12}" if naive else "")
+          + "   goals: rlbus/raw >= 0.9" + (", rlbus/naive >= 2" if naive else ""))
+    for r, b in rows:
+        line = f"{r:3d} {nbytes / b['raw'] / 1e9:9.2f} {nbytes / b['rlbus'] / 1e9:11.2f} {b['raw'] / b['rlbus']:10.2f}"
+        if naive:
+            line += f" {nbytes / b['naive'] / 1e9:11.2f} {b['naive'] / b['rlbus']:12.2f}"
+        print(line)
 
 
 if __name__ == "__main__":

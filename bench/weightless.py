@@ -87,3 +87,29 @@ class WeightlessEngine:
         self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
     ) -> None:
         return None
+
+
+class TensorEngine(WeightlessEngine):
+    """A WeightlessEngine that holds named tensors and takes updates into them: for pushing a
+    model of any shape through the full path without a real model behind it."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        super().__init__("tensors")
+        self._params = dict(named)
+        self._specs = {n: ParamSpec(dtype=t.dtype, shape=tuple(t.shape)) for n, t in named}
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self._params.values())
+
+    def param_specs(self, target: UpdateTarget) -> Mapping[str, ParamSpec]:
+        return self._specs
+
+    def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
+        return self._params
+
+    async def load_weights(
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+    ) -> None:
+        for name, t in tensors.items():
+            self._params[name].copy_(t)
