@@ -98,8 +98,8 @@ def worker_main() -> None:
 # --- trainer ------------------------------------------------------------------------
 
 class Fleet:
-    def __init__(self, n: int) -> None:
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+    def __init__(self, n: int, threads: int = 1) -> None:
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--threads", str(threads)], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True) for _ in range(n)]
 
     def run(self, r: int, backend: str, kind: str, reps: int, send, **extra) -> float:
@@ -143,8 +143,12 @@ def main() -> None:
     ap.add_argument("--shm-bucket-mb", type=int, default=128, help="shm bucket size (RLClient uses 128 MiB on shm)")
     ap.add_argument("--only", default="", help="measure only these kinds (comma-separated): raw, rlbus, naive, "
                     "rlbus_small, memcpy, shm, shm_pool, shm_stream")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (rlbus services use 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    # one intra-op thread per process, as rlbus's services run: with R+1 processes on a few
+    # cores, torch's thread pools would only fight over them
+    torch.set_num_threads(a.threads)
     if a.worker:
         return worker_main()
     global BUCKET, SHM_BUCKET
@@ -182,7 +186,7 @@ def main() -> None:
         return time.monotonic() - t0
     shm_chunks = [flat[i:i + SHM_BUCKET] for i in range(0, size, SHM_BUCKET)]
 
-    fleet = Fleet(max(receivers))
+    fleet = Fleet(max(receivers), a.threads)
     print(f"size {a.size_mb} MiB, gloo bucket {BUCKET >> 20} MiB, shm bucket {SHM_BUCKET >> 20} MiB, "
           f"torch threads {torch.get_num_threads()}, best of {a.reps}, every kind measured in turn per rep")
     try:
