@@ -149,19 +149,18 @@ class WeightUpdates:
         sums.append([])
         mine = len(sums) - 1
         live = self.engine.parameters_of(s.target)
-        landed: set[int] = set()
+        staged_buffers: set[int] = set()
 
         def landing(bucket: BucketMeta, metas: Sequence[ParamMeta]) -> torch.Tensor | None:
             """Receive straight into final memory: the live parameter (in_place, a bucket that
             is exactly one contiguous tensor) or a fresh buffer that becomes the staged copy."""
             if self.mode == "staged":
                 buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            else:
-                buf = sole_tensor_bytes(metas, bucket.nbytes, live)
-                if buf is None:
-                    return None
+                staged_buffers.add(buf.data_ptr())
+                return buf
+            buf = sole_tensor_bytes(metas, bucket.nbytes, live)
+            if buf is not None:
                 s.touched = True
-            landed.add(buf.data_ptr())
             return buf
 
         def sink(name: str, view: torch.Tensor) -> None:
@@ -170,7 +169,7 @@ class WeightUpdates:
                 if view.data_ptr() != live[name].data_ptr():  # not landed or copied there already
                     live[name].copy_(view)
             else:
-                s.staged[name] = view if view.untyped_storage().data_ptr() in landed else view.clone()
+                s.staged[name] = view if view.untyped_storage().data_ptr() in staged_buffers else view.clone()
             s.received.add(name)
 
         async def run() -> None:
