@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nats  # noqa: E402
 from weightless import WeightlessEngine  # noqa: E402
 
-from rlbus.client import RLClient  # noqa: E402
-from rlbus.connection import connect  # noqa: E402
-from rlbus.natsserver import NatsServer  # noqa: E402
-from rlbus.schemas import Pause, Subjects, WorkerAck, encode  # noqa: E402
+from rlbus.sdk.client import RLClient  # noqa: E402
+from rlbus.bus.connection import connect  # noqa: E402
+from rlbus.runners.natsserver import NatsServer  # noqa: E402
+from rlbus.schemas import PauseWorker, Subjects, WorkerAck, encode  # noqa: E402
 from rlbus.services.controller.service import ControllerOptions, ControllerService  # noqa: E402
 from rlbus.services.worker.service import WorkerOptions, WorkerService  # noqa: E402
 
@@ -142,7 +142,7 @@ async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Fleet]:
             assert len(ack.workers) == n, f"{len(ack.workers)} of {n} workers answered"
             fleet.round, fleet.session_round = one_round, session_round
             fleet.sizes = {
-                "command": len(encode(Pause(mode="abort", epoch=1, command_id=uuid.uuid4().hex))),
+                "command": len(encode(PauseWorker(mode="abort", epoch=1, command_id=uuid.uuid4().hex))),
                 "worker_ack": len(encode(WorkerAck(state=workers[0].state()))),
                 "fleet_ack": len(encode(ack)),
             }

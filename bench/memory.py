@@ -33,9 +33,9 @@ import time
 import anyio
 import torch
 
-from rlbus.client import RLClient
-from rlbus.natsserver import NatsServer
-from rlbus.services.worker.model import ModelConfig, TinyLM
+from rlbus.sdk.client import RLClient
+from rlbus.runners.natsserver import NatsServer
+from rlbus.models.tinylm import ModelConfig, TinyLM
 
 MiB = 1 << 20
 D_MODEL, N_HEADS, VOCAB, SEQ = 1024, 8, 64, 16

@@ -35,10 +35,10 @@ from transfer import Fleet as RawFleet  # noqa: E402
 from transfer import mixed_model  # noqa: E402
 from weightless import TensorEngine  # noqa: E402
 
-from rlbus.children import spawn  # noqa: E402
-from rlbus.launcher import Fleet  # noqa: E402
-from rlbus.natsserver import NatsServer  # noqa: E402
-from rlbus.services.worker.model import TinyLM  # noqa: E402
+from rlbus.runners.children import spawn  # noqa: E402
+from rlbus.runners.launcher import Fleet  # noqa: E402
+from rlbus.runners.natsserver import NatsServer  # noqa: E402
+from rlbus.models.tinylm import TinyLM  # noqa: E402
 from rlbus.transfer.buckets import as_bytes  # noqa: E402
 
 MiB = 1 << 20
@@ -79,7 +79,7 @@ class TensorFleet(Fleet):
 
 def serve_worker(a: argparse.Namespace) -> None:
     """A worker process for mixed/small: TensorEngine behind the real WorkerService."""
-    from rlbus.serve import serve
+    from rlbus.runners.serve import serve
     from rlbus.services.worker.service import WorkerOptions, WorkerService
 
     torch.set_num_threads(1)

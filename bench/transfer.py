@@ -32,10 +32,8 @@ import torch
 
 from rlbus.schemas import BucketMeta, ParamMeta, TransferInit
 from rlbus.transfer import (
-    alloc_buffers,
     prepare,
     recv_buckets,
-    scratch_bytes,
     send_all,
     send_stream,
     sole_tensor_bytes,
@@ -43,6 +41,7 @@ from rlbus.transfer import (
     worker_transfer,
 )
 from rlbus.transfer.buckets import as_bytes, torch_dtype
+from rlbus.transfer.stream import alloc_buffers, scratch_bytes
 
 BUCKET = 16 << 20
 SHM_BUCKET = 128 << 20

@@ -1,14 +1,19 @@
-"""rlbus — keep an LLM inference fleet in step with an RL trainer, over NATS."""
+"""rlbus — keep an LLM inference fleet in step with an RL trainer, over NATS.
 
-from rlbus.errors import (
+The trainer SDK: `RLClient` (async), `SyncRLClient` (blocking) and one exception type per
+error code. The SDK lives in rlbus.sdk, the NATS plumbing in rlbus.bus, the data plane in
+rlbus.transfer; rlbus.runners starts processes (CLI, embedded nats-server, demo).
+"""
+
+from rlbus.schemas.errors import (
     Aborted,
+    BadRequest,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     PermissionDenied,
     RLBusError,
-    TransportError,
     Unavailable,
 )
 
@@ -18,7 +23,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # The clients pull in nats; keep `import rlbus` light for schema-only users.
     if name in ("RLClient", "SyncRLClient"):
-        from rlbus import client
+        from rlbus.sdk import client
 
         return getattr(client, name)
     raise AttributeError(name)
@@ -26,6 +31,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Aborted",
+    "BadRequest",
     "DeadlineExceeded",
     "FailedPrecondition",
     "Internal",
@@ -34,6 +40,5 @@ __all__ = [
     "RLBusError",
     "RLClient",
     "SyncRLClient",
-    "TransportError",
     "Unavailable",
 ]

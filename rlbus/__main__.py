@@ -1,3 +1,3 @@
-from rlbus.cli import main
+from rlbus.runners.cli import main
 
 main()

@@ -1,41 +1,49 @@
-"""rlbus.schemas — the wire contract. Pure msgspec: imports neither torch nor nats."""
+"""rlbus.schemas — the wire contract and the typed errors. Pure msgspec: imports neither torch nor nats."""
 
-from .base import Message
+from .base import Message, op_of, ops_of
 from .codes import ERROR_CODES, UNDECODABLE_STATUS, ErrorCode
 from .codec import (
     DecodeError,
     ValidationError,
-    command_decoder,
+    control_decoder,
     encode,
     event_decoder,
     generate_reply_decoder,
     generate_request_decoder,
     reply_decoder,
+    version_decoder,
+    worker_command_decoder,
 )
-from .commands import (
-    CONTROL_OPS,
-    WORKER_OPS,
+from .control_commands import (
     AbortWeightUpdate,
-    AnyCommand,
-    Command,
-    Commit,
+    AnyControlCommand,
+    ControlCommand,
     FinishWeightUpdate,
     GetServerInfo,
-    GetStatus,
     GetWeightVersion,
     InitWeightTransfer,
     IsPaused,
     IsSleeping,
     Pause,
-    PrepareCommit,
     Resume,
     Sleep,
-    StartDraftWeightUpdate,
     StartWeightUpdate,
-    Sync,
     UpdateWeights,
     UpdateWeightVersion,
     WakeUp,
+)
+from .errors import (
+    Aborted,
+    BadRequest,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    RLBusError,
+    Unavailable,
+    error_for,
+    from_nack,
 )
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
 from .generate import FinishReason, GenerateReply, GenerateRequest
@@ -54,7 +62,29 @@ from .state import (
     WorkerState,
     version_problem,
 )
-from .subjects import Subjects, check_token
-from .weights import BucketMeta, DType, ParamMeta, TransferInit, checksums_problem
+from .subjects import UNKNOWN_OP_QUEUE, KvKey, ServiceName, Subjects, check_token
+from .tensors import BucketMeta, DType, ParamMeta, TransferInit, checksums_problem
+from .worker_commands import (
+    AbortSession,
+    AnyWorkerCommand,
+    Commit,
+    GetStatus,
+    JoinTransfer,
+    OpenSession,
+    PauseWorker,
+    PrepareCommit,
+    ReceiveWeights,
+    ResumeWorker,
+    SetVersion,
+    SleepWorker,
+    Sync,
+    WakeWorker,
+    WorkerCommand,
+)
+
+CONTROL_OPS: tuple[str, ...] = ops_of(AnyControlCommand)
+"""Ops a trainer may send to the controller (derived from the union, so they cannot drift)."""
+WORKER_OPS: tuple[str, ...] = ops_of(AnyWorkerCommand)
+"""Ops the controller may send to a worker."""
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -8,24 +8,28 @@ from __future__ import annotations
 from typing import Literal
 
 ErrorCode = Literal[
+    "UNAVAILABLE",  # no workers, or a worker is gone, or nothing answers the subject
+    "DEADLINE_EXCEEDED",  # a worker (or the controller) did not answer in time
+    "PERMISSION_DENIED",  # the NATS server refused this identity the subject (least-privilege config)
+    "BAD_REQUEST",  # the payload did not decode, or names no operation (NATS service error 400)
+    "INVALID_ARGUMENT",  # the request decoded but is wrong (bad mode, bad version, metadata mismatch)
     "FAILED_PRECONDITION",  # the operation is valid but the fleet is not in a state to run it
-    "INVALID_ARGUMENT",  # the request itself is wrong (bad mode, bad version, metadata mismatch)
-    "DEADLINE_EXCEEDED",  # a worker did not answer in time
-    "UNAVAILABLE",  # no workers, or a worker is gone
     "ABORTED",  # the operation was cancelled (e.g. an update session was aborted)
     "INTERNAL",  # a bug or an unexpected fault; the message says where
-    "PERMISSION_DENIED",  # the NATS server refused this identity the subject (least-privilege config)
 ]
 
 ERROR_CODES: tuple[ErrorCode, ...] = (
-    "FAILED_PRECONDITION",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
     "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "PERMISSION_DENIED",
+    "BAD_REQUEST",
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
     "ABORTED",
     "INTERNAL",
-    "PERMISSION_DENIED",
 )
+"""Every code, most telling first: when several workers fail one fan-out differently, the
+error the caller gets carries the earliest of their codes (a lost worker explains the rest)."""
 
 # Status code put in the NATS micro `Nats-Service-Error-Code` header when a payload
 # does not decode at all (a transport fault, not a refusal).

@@ -8,7 +8,7 @@ import msgspec
 
 from .base import Message
 from .codes import ErrorCode
-from .state import Capabilities, WorkerInfo, WorkerState
+from .state import DEFAULT_VERSION, Capabilities, WorkerInfo, WorkerState
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,7 +47,7 @@ class ServerInfo(Message, frozen=True, kw_only=True, tag="server_info"):
     capabilities: Capabilities
     """AND-aggregated over workers; a backend counts only if every worker has the same one."""
     epoch: int = 0
-    weight_version: str = "default"
+    weight_version: str = DEFAULT_VERSION
     draft_version: str | None = None
     session_id: str | None = None
     controller_id: str = ""

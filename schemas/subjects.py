@@ -1,4 +1,5 @@
-"""Subject builders. Every subject rlbus uses is spelled here and nowhere else."""
+"""Names on the bus. Every subject, KV bucket, KV key, stream, micro service and queue group
+rlbus uses is spelled here and nowhere else."""
 
 from __future__ import annotations
 
@@ -75,6 +76,60 @@ class Subjects(msgspec.Struct, frozen=True):
         return f"{self.prefix}.generate"
 
     @property
+    def control_group(self) -> str:
+        """The micro endpoint group the controller serves control ops under."""
+        return f"{self.prefix}.control"
+
+    def worker_group(self, worker_id: str) -> str:
+        """The micro endpoint group one worker serves its commands under."""
+        return f"{self.prefix}.worker.{worker_id}"
+
+    @property
+    def generate_queue(self) -> str:
+        """Queue group of rl.generate: each request goes to one worker."""
+        return f"{self.prefix}-generate"
+
+    @property
     def kv_bucket(self) -> str:
         """JetStream KV bucket holding durable controller state."""
         return f"{self.prefix.replace('.', '_')}_state"
+
+    @property
+    def kv_stream(self) -> str:
+        """The JetStream stream behind the KV bucket."""
+        return f"KV_{self.kv_bucket}"
+
+    def kv_subject(self, key: str) -> str:
+        """The stream subject one KV key is stored under (a consumer watches it)."""
+        return f"$KV.{self.kv_bucket}.{key}"
+
+    @property
+    def kv_subjects(self) -> str:
+        """Every key of the state bucket."""
+        return f"$KV.{self.kv_bucket}.>"
+
+
+class KvKey:
+    """Keys of the state bucket."""
+
+    EPOCH = "epoch"
+    """Fencing counter, advanced with revision checks."""
+    VERSION = "version"
+    """The committed VersionInfo."""
+    SESSION = "session"
+    """The open session id, or empty."""
+    LEADER = "leader"
+    """The leadership lease (services/controller/leadership.py)."""
+
+
+class ServiceName:
+    """NATS micro service names, so `$SRV.PING|INFO|STATS.<name>` finds each kind."""
+
+    CONTROLLER = "rlbus-controller"
+    WORKER = "rlbus-worker"
+    GENERATE = "rlbus-generate"
+    """Only the workers that take generation traffic now."""
+
+
+UNKNOWN_OP_QUEUE = "rlbus-unknown"
+"""Queue group of the controller's catch-all endpoint (one controller answers an unknown op)."""

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import torch
 
-from rlbus.natsserver import NatsServer
+from rlbus.runners.natsserver import NatsServer
 
 torch.set_num_threads(1)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
-from rlbus.client import RLClient
-from rlbus.local import LocalFleet
+from rlbus.sdk.client import RLClient
+from rlbus.runners.local import LocalFleet
 from rlbus.schemas import Subjects
 from rlbus.services.controller.service import ControllerOptions
-from rlbus.services.worker.model import ModelConfig
+from rlbus.models.tinylm import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 

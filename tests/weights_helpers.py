@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import rlbus
-from rlbus.client import RLClient
-from rlbus.local import LocalFleet
+from rlbus.sdk.client import RLClient
+from rlbus.runners.local import LocalFleet
 from rlbus.schemas import FleetAck, UpdateWeights, VersionInfo
-from rlbus.services.worker.model import KVCache, ModelConfig, TinyLM
+from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 from rlbus.transfer.stream import pack_all, prepare, send_all
 from tests.fleet import PROMPTS, SMALL
 from tests.waiting import eventually
@@ -142,10 +142,10 @@ async def send_corrupted(rl: RLClient, named: Named, *, bucket_bytes: int, bad_b
     Returns how many buckets were sent."""
     plan = prepare(named, bucket_bytes)
     packed = pack_all(plan, named)
-    await rl._call(UpdateWeights(params=plan.params, buckets=plan.buckets), FleetAck)
+    await rl.call(UpdateWeights(params=plan.params, buckets=plan.buckets), FleetAck)
     packed.buffers[bad_bucket][7] ^= 0x10
-    await anyio.to_thread.run_sync(send_all, rl._tx, packed.buffers)
-    rl._checksums += packed.checksums
+    await anyio.to_thread.run_sync(send_all, rl.push.transfer, packed.buffers)
+    rl.push.checksums += packed.checksums
     return len(packed.buffers)
 
 

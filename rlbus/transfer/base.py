@@ -53,13 +53,6 @@ class Handle(Protocol):
         ...
 
 
-class Done:
-    """A handle for an operation that already finished."""
-
-    def wait(self) -> None:
-        return None
-
-
 @runtime_checkable
 class TrainerTransfer(Protocol):
     """Rank 0 of a weight-transfer group: hosts the rendezvous and sends buckets."""
@@ -92,6 +85,20 @@ class TrainerTransfer(Protocol):
 
 
 @runtime_checkable
+class SharedMemoryTrainer(TrainerTransfer, Protocol):
+    """A trainer whose workers share its host memory (the shm backend)."""
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` in memory that workers can read.
+
+        Packing buckets into such buffers means workers copy straight out of them
+        (no copy into a transport slot first). The buffer lives until ``close()``;
+        do not modify a region until the send of it was waited on.
+        """
+        ...
+
+
+@runtime_checkable
 class WorkerTransfer(Protocol):
     """Rank ``rank`` (>= 1) of a weight-transfer group: receives buckets."""
 
@@ -109,6 +116,34 @@ class WorkerTransfer(Protocol):
 
     def close(self) -> None:
         """Leave the group. Never hangs; safe to call twice or after a failure."""
+        ...
+
+
+@runtime_checkable
+class ViewHandle(Protocol):
+    """A receive in flight whose bytes stay where the transport holds them."""
+
+    def wait(self) -> torch.Tensor:
+        """Block until the bucket arrived; return a uint8 view of it, readable until
+        :meth:`release`. Raise TransferError/TransferTimeout on failure."""
+        ...
+
+    def release(self) -> None:
+        """Done reading the view: the trainer may reuse that memory (once every worker
+        released it). Do not touch the view afterwards."""
+        ...
+
+
+@runtime_checkable
+class SharedMemoryWorker(WorkerTransfer, Protocol):
+    """A worker that can read buckets in the trainer's memory (the shm backend)."""
+
+    def recv_view(self, nbytes: int) -> ViewHandle:
+        """Take the next bucket (of ``nbytes``) where it lies, copying nothing.
+
+        Completes in order with :meth:`recv`: bucket ``k`` is whichever of the two
+        was started ``k``-th.
+        """
         ...
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import xxhash
 
 from rlbus.schemas import TransferInit
-from rlbus.transfer.base import Handle, TransferError, timeout_error
+from rlbus.transfer.base import Handle, TransferError, ViewHandle, timeout_error
 from rlbus.transfer.buckets import align_up
 from rlbus.transfer.rendezvous import connect_store, host_store
 
@@ -100,7 +100,9 @@ class _Segment:
 
 
 class ShmTrainer:
-    """Rank 0 of a shared-memory group: writes buckets into a two-slot segment."""
+    """Rank 0 of a shared-memory group: writes buckets into a two-slot segment.
+
+    A :class:`~rlbus.transfer.base.SharedMemoryTrainer` (it has :meth:`alloc`)."""
 
     def __init__(self, slot_bytes: int = 0) -> None:
         self._slot_hint = slot_bytes
@@ -123,6 +125,11 @@ class ShmTrainer:
         seg = _Segment.create(f"{segment_name(self._init.group_name, self._gen)}-p{len(self._pools)}", nbytes)
         self._pools.append(seg)
         return seg.data[:nbytes]
+
+    def holds(self, buf: torch.Tensor) -> bool:
+        """True when `buf` lies in this trainer's shared memory (from alloc): sending it
+        announces where it lies and copies nothing."""
+        return self._in_pool(buf) is not None
 
     def _in_pool(self, buf: torch.Tensor) -> tuple[_Segment, int] | None:
         ptr = buf.data_ptr()
@@ -229,7 +236,9 @@ class _Ack:
 
 
 class ShmWorker:
-    """A receiving rank of a shared-memory group: copies buckets out of the segment."""
+    """A receiving rank of a shared-memory group: copies buckets out of the segment.
+
+    A :class:`~rlbus.transfer.base.SharedMemoryWorker` (it has :meth:`recv_view`)."""
 
     def __init__(self) -> None:
         self._store: _Store | _NotOpen = _NotOpen()
@@ -268,7 +277,7 @@ class ShmWorker:
         self._seq += 1
         return _Copy(self, k)
 
-    def recv_view(self, nbytes: int) -> _View:
+    def recv_view(self, nbytes: int) -> ViewHandle:
         """Take the next bucket where it lies in shared memory, copying nothing: the
         handle's ``wait`` returns a uint8 view of it, readable until ``release()``, which
         tells the trainer this worker is done with it (the trainer reuses that memory only
@@ -330,6 +339,8 @@ class _Copy:
 
 
 class _View:
+    """The :class:`~rlbus.transfer.base.ViewHandle` of :meth:`ShmWorker.recv_view`."""
+
     def __init__(self, rx: ShmWorker, k: int) -> None:
         self._rx, self._k = rx, k
 

@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 import torch
 
 from rlbus.schemas import BucketMeta, ParamMeta
-from rlbus.transfer.base import ChecksumMismatch, Handle, PlanError, TrainerTransfer, WorkerTransfer
+from rlbus.transfer.base import (
+    ChecksumMismatch,
+    Handle,
+    PlanError,
+    SharedMemoryTrainer,
+    SharedMemoryWorker,
+    TrainerTransfer,
+    ViewHandle,
+    WorkerTransfer,
+)
 from rlbus.transfer.buckets import align_up, by_bucket, copy_out, pack, plan, unpack, validate
 from rlbus.transfer.checksum import checksum
 
@@ -99,6 +108,25 @@ def scratch_bytes(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pack_ev
                 if pack_every_bucket or sole_tensor_bytes(p.per_bucket[k], size, lookup) is None), default=0)
 
 
+def packs_every_bucket(tx: TrainerTransfer) -> bool:
+    """Whether :func:`send_stream` should pack every bucket into its scratch buffers for
+    ``tx`` (its ``pack_every_bucket``, and :func:`scratch_bytes`'s): true when the scratch
+    buffers live in memory workers read (a :class:`SharedMemoryTrainer`), so that no bucket
+    is sent from a tensor's private memory."""
+    return isinstance(tx, SharedMemoryTrainer)
+
+
+def scratch_pair(tx: TrainerTransfer, need: int) -> list[torch.Tensor]:
+    """Two reusable packing buffers of ``need`` bytes each for :func:`send_stream` over ``tx``
+    (``need``: :func:`scratch_bytes` with ``pack_every_bucket=packs_every_bucket(tx)``).
+
+    From ``tx.alloc`` when ``tx`` is a :class:`SharedMemoryTrainer` (workers then copy
+    straight out of them; they live until ``tx.close()``), else plain host memory.
+    """
+    pair = tx.alloc(2 * need) if isinstance(tx, SharedMemoryTrainer) else torch.empty(2 * need, dtype=torch.uint8)
+    return [pair[:need], pair[need:]]
+
+
 def send_stream(tx: TrainerTransfer, p: Plan, named: Named | Mapping[str, torch.Tensor], *,
                 first: int = 0, last: int | None = None, scratch: Sequence[torch.Tensor] | None = None,
                 pack_every_bucket: bool = False) -> list[str]:
@@ -108,7 +136,8 @@ def send_stream(tx: TrainerTransfer, p: Plan, named: Named | Mapping[str, torch.
     ``k`` is on the wire; at most two buckets are in flight. ``scratch``: two buffers of
     at least :func:`scratch_bytes` each (allocated here if missing or too small); for the
     shm backend, buffers from ``tx.alloc`` that workers copy straight out of, with
-    ``pack_every_bucket`` so that no bucket is sent from the tensor's private memory.
+    ``pack_every_bucket`` so that no bucket is sent from the tensor's private memory
+    (:func:`scratch_pair` and :func:`packs_every_bucket` choose both for any ``tx``).
     The tensors must not change until this returns.
     """
     lookup = _lookup(named)
@@ -207,17 +236,17 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
             bufs.extend(scratch if usable else alloc_buffers(biggest))  # type: ignore[arg-type]
         return bufs[k % 2][: buckets[k].nbytes]
 
-    views = getattr(rx, "recv_view", None)
+    shared = rx if isinstance(rx, SharedMemoryWorker) else None
 
-    def post(k: int) -> tuple[torch.Tensor | None, Handle]:
+    def post(k: int) -> tuple[torch.Tensor | None, Handle | ViewHandle]:
         """Start receiving bucket k: into its landing buffer (the tensor's final memory) if
         it has one, else as a view where the transport holds it (shm: no copy at all; None),
         else into scratch, to be copied out."""
         got = landing(buckets[k], per_bucket[k]) if landing is not None else None
         if got is not None and got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous():
             return got, rx.recv(got)
-        if views is not None:
-            return None, views(buckets[k].nbytes)
+        if shared is not None:
+            return None, shared.recv_view(buckets[k].nbytes)
         buf = scratch_for(k)
         return buf, rx.recv(buf)
 
@@ -233,8 +262,8 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
         copied = into is not None and (view is not None or any(buf.data_ptr() == b.data_ptr() for b in bufs))
         for name, tensor in (copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k])):
             sink(name, tensor)
-        if view is not None:
-            pending.release()  # type: ignore[attr-defined]
+        if isinstance(pending, ViewHandle):
+            pending.release()
     if expected is not None:
         verify(sums, expected)
     return sums

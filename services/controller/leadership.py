@@ -15,9 +15,11 @@ import msgspec
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from rlbus.schemas import KvKey
+
 log = logging.getLogger("rlbus.controller.lease")
 
-KEY = "leader"
+KEY = KvKey.LEADER
 
 
 class LeaseRecord(msgspec.Struct, frozen=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rlbus.schemas import Capabilities, WorkerInfo, WorkerState
+from rlbus.schemas import Capabilities, Unavailable, WorkerInfo, WorkerState
 
 
 @dataclass
@@ -61,6 +61,20 @@ class Registry:
 
     def get(self, worker_id: str) -> Entry | None:
         return self._entries.get(worker_id)
+
+    def _entry(self, worker_id: str) -> Entry:
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            raise Unavailable(f"worker {worker_id} left the registry; retry")
+        return entry
+
+    def capabilities(self, worker_id: str) -> Capabilities:
+        """A registered worker's capabilities; UNAVAILABLE once it left."""
+        return self._entry(worker_id).capabilities
+
+    def state(self, worker_id: str) -> WorkerState:
+        """A registered worker's last reported state; UNAVAILABLE once it left."""
+        return self._entry(worker_id).state
 
     def infos(self, committed_version: str | None = None) -> list[WorkerInfo]:
         now = time.monotonic()

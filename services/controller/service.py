@@ -1,7 +1,10 @@
 """The controller service: trainer commands in, fleet-wide fan-out, answers back.
 
-Every state-changing operation takes `self._lock`; reads (is_paused, is_sleeping,
-server_info, get_weight_version) never wait on it.
+Composed of the Fleet (fleet.py: registry, epoch, lock, stamped fan-out, events) and the
+update sessions (updates.py). This module holds the lifecycle (leadership, subscriptions,
+drain), worker admission, and the pause/sleep handlers. Every state-changing operation
+takes the fleet's lock; reads (is_paused, is_sleeping, server_info, get_weight_version)
+never wait on it.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -17,39 +20,47 @@ from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from rlbus.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlbus.schemas import (
-    AnyCommand,
+    UNKNOWN_OP_QUEUE,
     Capabilities,
-    WorkerState,
-    Sync,
     ControllerHello,
-    EventKind,
+    FailedPrecondition,
     FleetAck,
-    FleetEvent,
+    GetServerInfo,
     GetStatus,
     Heartbeat,
+    InvalidArgument,
+    IsPaused,
+    IsSleeping,
     Pause,
+    PauseWorker,
     Resume,
+    ResumeWorker,
     ServerInfo,
+    ServiceName,
     Sleep,
+    SleepWorker,
     Subjects,
+    Sync,
     VersionInfo,
     WakeUp,
+    WakeWorker,
     WorkerGone,
     WorkerReady,
+    WorkerState,
+    control_decoder,
     encode,
     event_decoder,
 )
 from rlbus.schemas.codec import DecodeError
-from rlbus.services.handlers import Endpoints
+from rlbus.services.endpoints import Endpoints, NotRunning, Routes
 
 from . import session as S
-from .fanout import Outcome, fan_out
+from .fleet import Fleet, stamped
 from .leadership import Lease, LeaseLost
 from .registry import Registry
 from .store import StateStore
-from .weights import WeightUpdateHandlers
+from .updates import Updates
 
 log = logging.getLogger("rlbus.controller")
 
@@ -67,33 +78,47 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Leadership lease: a standby controller takes over this long after the leader's last renewal."""
 
 
-class ControllerService(WeightUpdateHandlers):
+class ControllerService:
     def __init__(self, nc: Client, options: ControllerOptions | None = None) -> None:
         self.nc = nc
         self.opts = options or ControllerOptions()
         self.subjects = self.opts.subjects
-        self.registry = Registry(self.opts.liveness_timeout_s)
         self.id = uuid.uuid4().hex[:12]
-        self.epoch = 0
-        self.store: StateStore | None = None
-        self.version = VersionInfo(version="default")
-        self.session: S.SessionState = S.Idle()
-        self._kv_session: str | None = None  # the open session KV records (weights.py)
-        self._lock = anyio.Lock()
+        self.fleet = Fleet(nc, self.subjects, Registry(self.opts.liveness_timeout_s), self.opts.command_timeout_s)
+        self.fleet.on_lost = self._drop
+        self.updates: Updates = _NotLeading()  # type: ignore[assignment]
+        """The update sessions; built once this controller leads (they need the state store)."""
         self._stop = anyio.Event()
         self._micro: Service | None = None
         self._changed = anyio.Event()
         self._last_hello = 0.0
-        self._tg: anyio.abc.TaskGroup = _NoTaskGroup()  # type: ignore[assignment]
+        self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self.standby_for: str | None = None
         """While waiting for the lease: the controller that holds it."""
         self.lease_lost = False
 
+    @property
+    def registry(self) -> Registry:
+        return self.fleet.registry
+
+    @property
+    def epoch(self) -> int:
+        return self.fleet.epoch
+
+    @property
+    def version(self) -> VersionInfo:
+        """The committed version."""
+        return self.updates.version
+
+    @property
+    def store(self) -> StateStore:
+        return self.updates.store
+
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
-        self.store = await StateStore.open(self.nc, self.subjects.kv_bucket)
-        lease = Lease(self.store.kv, self.id, self.opts.lease_s)
+        store = await StateStore.open(self.nc, self.subjects.kv_bucket)
+        lease = Lease(store.kv, self.id, self.opts.lease_s)
         async with anyio.create_task_group() as wait:  # standby until the lease is ours, or stop()
 
             async def stop_waiting() -> None:
@@ -106,28 +131,26 @@ class ControllerService(WeightUpdateHandlers):
         if self._stop.is_set():
             return
         self.standby_for = None
-        self.epoch = await self.store.take_epoch()
-        self.version = await self.store.version()
-        orphan = await self.store.session()
+        self.fleet.epoch = await store.take_epoch()
+        self.updates = Updates(self.fleet, store, await store.version())
+        orphan = await store.session()
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
-            await self.store.put_session(None)
+            await store.put_session(None)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             eps = Endpoints(tg, "controller")
             self._micro = await add_service(
                 self.nc,
-                name="rlbus-controller",
+                name=ServiceName.CONTROLLER,
                 version=SERVICE_VERSION,
                 description="rlbus fleet controller",
                 metadata={"controller_id": self.id, "epoch": str(self.epoch)},
             )
-            group = self._micro.add_group(name=f"{self.subjects.prefix}.control")
-            handlers = self._handlers()
-            for op, handler in handlers.items():
-                # server_info reads memory only: answered inside the callback
-                await group.add_endpoint(name=op, subject=op, handler=eps.command(op, handler, inline=op == "server_info"))
-            await group.add_endpoint(name="unknown", subject="*", queue_group="rlbus-unknown", handler=eps.unknown(set(handlers)))
+            group = self._micro.add_group(name=self.subjects.control_group)
+            routes = self._routes()
+            await eps.serve(group, routes)
+            await group.add_endpoint(name="unknown", subject="*", queue_group=UNKNOWN_OP_QUEUE, handler=eps.unknown(routes.ops()))
             subs = [
                 await self.nc.subscribe(self.subjects.worker_ready, cb=self._on_worker_event),
                 await self.nc.subscribe(self.subjects.worker_heartbeat, cb=self._on_worker_event),
@@ -177,9 +200,9 @@ class ControllerService(WeightUpdateHandlers):
         if self.registry.leave(worker_id):
             log.warning("worker %s left the registry: %s", worker_id, why)
             self._notify()
-            await self._event("worker_left", [worker_id], why)
-            if not isinstance(self.session, S.Idle):
-                self._tg.start_soon(self._abort_on_loss, worker_id)
+            await self.fleet.event("worker_left", [worker_id], why)
+            if not isinstance(self.updates.session, S.Idle):
+                self._tg.start_soon(self.updates.abort_on_loss, worker_id)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -189,13 +212,6 @@ class ControllerService(WeightUpdateHandlers):
         """Return once `predicate(registry)` holds (checked on every registry change)."""
         while not predicate(self.registry):
             await self._changed.wait()
-
-    async def _event(self, kind: EventKind, workers: list[str], detail: str = "", session_id: str | None = None) -> None:
-        ev = FleetEvent(event=kind, epoch=self.epoch, workers=workers, detail=detail, session_id=session_id, time=time.time())
-        try:
-            await self.nc.publish(self.subjects.event(kind), encode(ev))
-        except Exception as e:  # events are best effort; state lives in KV and replies
-            log.debug("event %s not published: %s", kind, e)
 
     async def _on_worker_event(self, msg) -> None:  # noqa: ANN001
         try:
@@ -217,9 +233,8 @@ class ControllerService(WeightUpdateHandlers):
         goes stale and takes no generation traffic), and drop any session it holds that
         this controller does not (an orphan from before a restart)."""
         w = state.worker_id
-        out = await fan_out(
-            self.nc, self.subjects, [w], Sync(epoch=self.epoch, command_id=uuid.uuid4().hex, committed_version=self.version.version),
-            min(5.0, self.opts.command_timeout_s),
+        out = await self.fleet.send(
+            stamped(Sync, committed_version=self.version.version), [w], timeout=min(5.0, self.opts.command_timeout_s)
         )
         synced = out.acks.get(w)
         if synced is None:
@@ -228,143 +243,97 @@ class ControllerService(WeightUpdateHandlers):
         if self.registry.join(caps, synced):
             log.info("worker %s joined (%s)", w, caps.model_name)
             self._notify()
-            await self._event("worker_joined", [w])
+            await self.fleet.event("worker_joined", [w])
         if synced.stale:
-            await self._event(
+            await self.fleet.event(
                 "worker_stale", [w],
                 f"holds {synced.weight_version}, committed is {self.version.version}; push weights to bring it in step",
             )
-        if synced.session_id and synced.session_id != self._session_id():
-            await self._abort_orphan(w, synced.session_id)
-
-    # ---- fan-out -----------------------------------------------------------------------
-
-    def _workers(self) -> list[str]:
-        ids = self.registry.ids()
-        if not ids:
-            raise Unavailable("no workers are registered; start workers (rlbus worker) and retry")
-        return ids
-
-    async def _fan_out(self, command: AnyCommand | Callable[[str], AnyCommand], workers: list[str] | None = None, timeout: float | None = None) -> Outcome:
-        workers = self._workers() if workers is None else workers
-        command_id = uuid.uuid4().hex
-
-        def stamp(c: AnyCommand) -> AnyCommand:
-            # one fresh id per fan-out: the trainer's id dedups at the controller, this one at workers
-            return msgspec.structs.replace(c, epoch=self.epoch, command_id=command_id)
-
-        stamped = (lambda w: stamp(command(w))) if callable(command) else stamp(command)
-        out = await fan_out(self.nc, self.subjects, workers, stamped, timeout or self.opts.command_timeout_s)
-        for state in out.acks.values():
-            self.registry.seen(state)
-        for f in out.failures:
-            if f.code == "UNAVAILABLE":
-                await self._drop(f.worker_id, f.message)
-        return out
-
-    def _fleet(self, out: Outcome) -> FleetAck:
-        return FleetAck(
-            workers=[out.acks[w] for w in sorted(out.acks)],
-            session_id=getattr(self.session, "session_id", None),
-            weight_version=self.version.version,
-            epoch=self.epoch,
-        )
-
-    async def _all(self, command: AnyCommand, what: str) -> FleetAck:
-        out = await self._fan_out(command)
-        out.raise_for_failures(what)
-        return self._fleet(out)
+        if synced.session_id and synced.session_id != self.updates.session_id:
+            await self.updates.abort_orphan(w, synced.session_id)
 
     # ---- handlers ----------------------------------------------------------------------
 
-    def _handlers(self) -> dict[str, Callable[[AnyCommand], Awaitable[object]]]:
-        return {
-            "pause": self._pause,
-            "resume": self._resume,
-            "is_paused": self._status,
-            "sleep": self._sleep,
-            "wake_up": self._wake_up,
-            "is_sleeping": self._status,
-            "server_info": self._server_info,
-            "init_weight_transfer": self._init_weight_transfer,
-            "start_weight_update": self._start_weight_update,
-            "start_draft_weight_update": self._start_weight_update,
-            "update_weights": self._update_weights,
-            "finish_weight_update": self._finish_weight_update,
-            "abort_weight_update": self._abort_weight_update,
-            "update_weight_version": self._update_weight_version,
-            "get_weight_version": self._get_weight_version,
-        }
+    def _routes(self) -> Routes:
+        """The controller's dispatch table. server_info reads memory only: answered inline."""
+        r = Routes(control_decoder)
+        r.add(Pause, self._pause)
+        r.add(Resume, self._resume)
+        r.add(IsPaused, self._status)
+        r.add(Sleep, self._sleep)
+        r.add(WakeUp, self._wake_up)
+        r.add(IsSleeping, self._status)
+        r.add(GetServerInfo, self._server_info, inline=True)
+        self.updates.routes(r)
+        return r
 
-    async def _pause(self, cmd: AnyCommand) -> FleetAck:
-        assert isinstance(cmd, Pause)
-        async with self._lock:
-            ack = await self._all(cmd, f"pause(mode={cmd.mode})")
-        await self._event("paused", [w.worker_id for w in ack.workers], cmd.mode)
-        return ack
+    async def _pause(self, cmd: Pause) -> FleetAck:
+        async with self.fleet.lock:
+            out = await self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})")
+        await self.fleet.event("paused", sorted(out.acks), cmd.mode)
+        return self.updates.ack(out)
 
-    async def _resume(self, cmd: AnyCommand) -> FleetAck:
-        assert isinstance(cmd, Resume)
-        async with self._lock:
-            ack = await self._all(cmd, "resume")
-        await self._event("resumed", [w.worker_id for w in ack.workers])
-        return ack
+    async def _resume(self, cmd: Resume) -> FleetAck:
+        async with self.fleet.lock:
+            out = await self.fleet.send_all(stamped(ResumeWorker), "resume")
+        await self.fleet.event("resumed", sorted(out.acks))
+        return self.updates.ack(out)
 
-    async def _sleep(self, cmd: AnyCommand) -> FleetAck:
-        assert isinstance(cmd, Sleep)
+    async def _sleep(self, cmd: Sleep) -> FleetAck:
         if cmd.level not in (1, 2):
             raise InvalidArgument(f"sleep level must be 1 or 2, not {cmd.level}")
-        async with self._lock:
-            workers = self._workers()
-            no_sleep = [w for w in workers if not self.registry.get(w).capabilities.sleep_mode_enabled]  # type: ignore[union-attr]
+        async with self.fleet.lock:
+            workers = self.fleet.ids()
+            no_sleep = [w for w in workers if not self.registry.capabilities(w).sleep_mode_enabled]
             if no_sleep:
                 raise FailedPrecondition(
                     f"workers {no_sleep} were started without sleep mode; restart them with --enable-sleep-mode"
                 )
             # refuse before anything changes: a worker with requests in flight cannot sleep
-            status = await self._fan_out(GetStatus(), workers)
+            status = await self.fleet.send(stamped(GetStatus), workers)
             status.raise_for_failures("sleep (status check)")
             busy = {w: st.in_flight for w, st in status.acks.items() if st.in_flight}
             if busy:
                 raise FailedPrecondition(
                     f"requests are in flight on {busy}; pause with mode='abort' or 'wait' before sleeping"
                 )
-            out = await self._fan_out(cmd, workers)
+            out = await self.fleet.send(stamped(SleepWorker, level=cmd.level, tags=cmd.tags), workers)
             if not out.ok and out.acks and cmd.level == 1:
                 # all or nothing: wake the workers that did fall asleep
-                await self._fan_out(WakeUp(tags=cmd.tags), list(out.acks))
+                await self.fleet.send(stamped(WakeWorker, tags=cmd.tags), list(out.acks))
             out.raise_for_failures(f"sleep(level={cmd.level})")
             if cmd.tags is None or "weights" in cmd.tags:
-                self._advance(S.SleepWeights())
-                await self._set_session(S.Idle())
-            ack = self._fleet(out)
-        await self._event("sleeping", [w.worker_id for w in ack.workers], f"level {cmd.level}")
+                await self.updates.weights_sleep()
+            ack = self.updates.ack(out)
+        await self.fleet.event("sleeping", [w.worker_id for w in ack.workers], f"level {cmd.level}")
         return ack
 
-    async def _wake_up(self, cmd: AnyCommand) -> FleetAck:
-        assert isinstance(cmd, WakeUp)
-        async with self._lock:
-            ack = await self._all(cmd, "wake_up")
-        await self._event("awake", [w.worker_id for w in ack.workers], ",".join(cmd.tags or ["all"]))
-        return ack
+    async def _wake_up(self, cmd: WakeUp) -> FleetAck:
+        async with self.fleet.lock:
+            out = await self.fleet.send_all(stamped(WakeWorker, tags=cmd.tags), "wake_up")
+        await self.fleet.event("awake", sorted(out.acks), ",".join(cmd.tags or ["all"]))
+        return self.updates.ack(out)
 
-    async def _status(self, cmd: AnyCommand) -> FleetAck:
-        return await self._all(GetStatus(command_id=cmd.command_id), "status")
+    async def _status(self, cmd: IsPaused | IsSleeping) -> FleetAck:
+        return self.updates.ack(await self.fleet.send_all(stamped(GetStatus), "status"))
 
-    async def _server_info(self, cmd: AnyCommand) -> ServerInfo:
+    async def _server_info(self, cmd: GetServerInfo) -> ServerInfo:
         return ServerInfo(
             workers=self.registry.infos(self.version.version),
             capabilities=self.registry.aggregate(),
             epoch=self.epoch,
             weight_version=self.version.version,
             draft_version=self.version.draft_version,
-            session_id=getattr(self.session, "session_id", None),
+            session_id=self.updates.session_id,
             controller_id=self.id,
         )
 
 
-class _NoTaskGroup:
-    """Before run(): nothing may be spawned yet."""
+class _NotLeading:
+    """Before this controller leads: no update session exists yet."""
 
-    def start_soon(self, *a: object, **k: object) -> None:
-        raise RuntimeError("controller is not running")
+    session: S.SessionState = S.Idle()
+    session_id = None
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"controller is not leading yet ({name})")

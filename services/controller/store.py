@@ -1,20 +1,17 @@
 """Durable controller state in a JetStream KV bucket: epoch, committed versions, open session.
 
-Keys: `epoch` (fencing counter, advanced with revision checks), `version` (a VersionInfo),
-`session` (the open session id, or empty).
+Keys (schemas.subjects.KvKey): the epoch (fencing counter, advanced with revision checks),
+the committed version (a VersionInfo), the open session id (or empty).
 """
 
 from __future__ import annotations
 
-import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from rlbus.schemas import DEFAULT_VERSION, VersionInfo
-
-_version_decoder = msgspec.json.Decoder(VersionInfo)
+from rlbus.schemas import DEFAULT_VERSION, KvKey, VersionInfo, encode, version_decoder
 
 
 class StateStore:
@@ -44,35 +41,31 @@ class StateStore:
     async def take_epoch(self) -> int:
         """Advance the epoch by one with a revision check; two controllers never share one."""
         while True:
-            raw, rev = await self._get("epoch")
+            raw, rev = await self._get(KvKey.EPOCH)
             new = (int(raw) if raw else 0) + 1
             try:
                 if rev:
-                    await self.kv.update("epoch", str(new).encode(), last=rev)
+                    await self.kv.update(KvKey.EPOCH, str(new).encode(), last=rev)
                 else:
-                    await self.kv.create("epoch", str(new).encode())
+                    await self.kv.create(KvKey.EPOCH, str(new).encode())
                 return new
             except (KeyWrongLastSequenceError, Exception) as e:  # lost the race: read again
                 if not _is_wrong_sequence(e):
                     raise
 
-    async def epoch(self) -> int:
-        raw, _ = await self._get("epoch")
-        return int(raw) if raw else 0
-
     async def version(self) -> VersionInfo:
-        raw, _ = await self._get("version")
-        return _version_decoder.decode(raw) if raw else VersionInfo(version=DEFAULT_VERSION)
+        raw, _ = await self._get(KvKey.VERSION)
+        return version_decoder.decode(raw) if raw else VersionInfo(version=DEFAULT_VERSION)
 
     async def put_version(self, info: VersionInfo) -> None:
-        await self.kv.put("version", msgspec.json.encode(info))
+        await self.kv.put(KvKey.VERSION, encode(info))
 
     async def session(self) -> str | None:
-        raw, _ = await self._get("session")
+        raw, _ = await self._get(KvKey.SESSION)
         return raw.decode() if raw else None
 
     async def put_session(self, session_id: str | None) -> None:
-        await self.kv.put("session", (session_id or "").encode())
+        await self.kv.put(KvKey.SESSION, (session_id or "").encode())
 
 
 def _is_wrong_sequence(e: Exception) -> bool:

@@ -35,7 +35,7 @@ class ParamSpec(msgspec.Struct, frozen=True):
 class Engine(Protocol):
     """Everything here is called from the worker's event loop; long work must not block it.
 
-    Refusals raise rlbus.errors subclasses (FailedPrecondition, InvalidArgument).
+    Refusals raise rlbus.schemas.errors subclasses (FailedPrecondition, InvalidArgument).
     """
 
     model_name: str

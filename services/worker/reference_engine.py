@@ -14,11 +14,11 @@ from typing import Literal
 import anyio
 import torch
 
-from rlbus.errors import FailedPrecondition, InvalidArgument
+from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
 from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 
 from .engine import EngineStatus, ParamSpec
-from .model import KVCache, ModelConfig, TinyLM
+from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 
 StaleDraftPolicy = Literal["keep", "disable"]
 

@@ -8,8 +8,6 @@ rl.worker.heartbeat and says goodbye on rl.worker.gone when it stops.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-
 import anyio
 import msgspec
 from nats.aio.client import Client
@@ -17,31 +15,34 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from rlbus.errors import FailedPrecondition, InvalidArgument, RLBusError
 from rlbus.schemas import (
     SLEEP_TAGS,
     UNDECODABLE_STATUS,
-    AbortWeightUpdate,
-    AnyCommand,
+    AbortSession,
     Backend,
     Capabilities,
     Commit,
     ControllerHello,
+    FailedPrecondition,
     GetStatus,
     Heartbeat,
-    InitWeightTransfer,
-    Pause,
+    InvalidArgument,
+    JoinTransfer,
+    OpenSession,
+    PauseWorker,
     PrepareCommit,
-    Resume,
-    Sleep,
-    StartWeightUpdate,
+    ReceiveWeights,
+    ResumeWorker,
+    RLBusError,
+    ServiceName,
+    SetVersion,
+    SleepWorker,
     Subjects,
     Sync,
     UpdateMode,
-    UpdateWeights,
-    UpdateWeightVersion,
-    WakeUp,
+    WakeWorker,
     WorkerAck,
+    WorkerCommand,
     WorkerGone,
     WorkerReady,
     WorkerState,
@@ -49,9 +50,10 @@ from rlbus.schemas import (
     encode,
     event_decoder,
     generate_request_decoder,
+    worker_command_decoder,
 )
 from rlbus.schemas.codec import DecodeError
-from rlbus.services.handlers import Endpoints
+from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
 from .engine import Engine
 from .updates import WeightUpdates
@@ -59,10 +61,6 @@ from .updates import WeightUpdates
 log = logging.getLogger("rlbus.worker")
 
 SERVICE_VERSION = "0.1.0"
-
-# Commands whose handlers never wait: answered inside the NATS callback (no task). pause is
-# not here: wait/keep wait for requests. Everything that may wait runs as a task.
-_INLINE_OPS = frozenset({"resume", "status", "start_weight_update", "abort_weight_update"})
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,8 +89,8 @@ class WorkerService:
         """Highest controller epoch seen; commands from older epochs are refused (fencing)."""
         self._micro: Service | None = None
         self._stop = anyio.Event()
-        self._endpoints: Endpoints | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
+        self._endpoints = Endpoints(self._tg, f"worker {self.id}")
         self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
         self.stale = False
         """On an older version than the committed one (told by the controller's Sync)."""
@@ -146,16 +144,12 @@ class WorkerService:
             self._endpoints = eps = Endpoints(tg, f"worker {self.id}")
             self._micro = await add_service(
                 self.nc,
-                name="rlbus-worker",
+                name=ServiceName.WORKER,
                 version=SERVICE_VERSION,
                 description="rlbus inference worker",
                 metadata={"worker_id": self.id, "model": self.engine.model_name},
             )
-            group = self._micro.add_group(name=f"{self.subjects.prefix}.worker.{self.id}")
-            handlers = self._handlers()
-            for op, handler in handlers.items():
-                inline: bool | Callable[[AnyCommand], bool] = self._idle if op == "pause" else op in _INLINE_OPS
-                await group.add_endpoint(name=op, subject=op, handler=eps.command(op, self._fenced(handler), inline=inline))
+            await eps.serve(self._micro.add_group(name=self.subjects.worker_group(self.id)), self._routes(), wrap=self._fenced)
             # No unknown-op catch-all here (the controller has one): it would deliver every
             # command twice on the hot path; an unknown worker op gets NATS' no-responders.
             await self._serve_generation(True)
@@ -213,29 +207,31 @@ class WorkerService:
 
     # ---- commands ----------------------------------------------------------------------
 
-    def _handlers(self) -> dict[str, Callable[[AnyCommand], Awaitable[object]]]:
-        return {
-            "pause": self._pause,
-            "resume": self._resume,
-            "sleep": self._sleep,
-            "wake_up": self._wake_up,
-            "status": self._status,
-            "init_weight_transfer": self._init_weight_transfer,
-            "start_weight_update": self._start_weight_update,
-            "update_weights": self._update_weights,
-            "prepare": self._prepare,
-            "commit": self._commit,
-            "abort_weight_update": self._abort_weight_update,
-            "update_weight_version": self._update_weight_version,
-            "sync": self._sync,
-        }
+    def _routes(self) -> Routes:
+        """The worker's dispatch table. Inline handlers never wait (answered inside the NATS
+        callback); pause waits for requests in wait/keep mode, so it is inline only when idle."""
+        r = Routes(worker_command_decoder)
+        r.add(PauseWorker, self._pause, inline=self._idle)
+        r.add(ResumeWorker, self._resume, inline=True)
+        r.add(SleepWorker, self._sleep)
+        r.add(WakeWorker, self._wake_up)
+        r.add(GetStatus, self._status, inline=True)
+        r.add(JoinTransfer, self._join_transfer)
+        r.add(OpenSession, self._open_session, inline=True)
+        r.add(ReceiveWeights, self._receive_weights)
+        r.add(PrepareCommit, self._prepare)
+        r.add(Commit, self._commit)
+        r.add(AbortSession, self._abort_session, inline=True)
+        r.add(SetVersion, self._set_version)
+        r.add(Sync, self._sync)
+        return r
 
-    def _idle(self, cmd: AnyCommand) -> bool:
+    def _idle(self, cmd: PauseWorker) -> bool:
         """No request in flight: a pause in any mode returns at once, so it can run inline."""
         return self.engine.status().in_flight == 0
 
-    def _fenced(self, handler: Callable[[AnyCommand], Awaitable[object]]) -> Callable[[AnyCommand], Awaitable[object]]:
-        async def run(cmd: AnyCommand) -> object:
+    def _fenced(self, handler: Handler) -> Handler:
+        async def run(cmd: WorkerCommand) -> object:
             if cmd.epoch < self.epoch:
                 raise FailedPrecondition(
                     f"command from controller epoch {cmd.epoch} refused: epoch {self.epoch} has taken over"
@@ -246,80 +242,64 @@ class WorkerService:
 
         return run
 
-    async def _pause(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, Pause)
+    async def _pause(self, cmd: PauseWorker) -> WorkerAck:
         await self.engine.pause(cmd.mode)
         return self.ack()
 
-    async def _resume(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, Resume)
+    async def _resume(self, cmd: ResumeWorker) -> WorkerAck:
         await self.engine.resume()
         return self.ack()
 
-    async def _sleep(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, Sleep)
+    async def _sleep(self, cmd: SleepWorker) -> WorkerAck:
         tags = _tags(cmd.tags)
         await self.engine.sleep(cmd.level, tags)
         if "weights" in tags:
             self.updates.abort("")  # an update session cannot survive its weights going to sleep
         return self.ack()
 
-    async def _wake_up(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, WakeUp)
+    async def _wake_up(self, cmd: WakeWorker) -> WorkerAck:
         await self.engine.wake_up(_tags(cmd.tags))
         return self.ack()
 
-    async def _status(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, GetStatus)
+    async def _status(self, cmd: GetStatus) -> WorkerAck:
         return self.ack()
 
-    async def _init_weight_transfer(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, InitWeightTransfer)
-        if cmd.init_info is None:
-            raise InvalidArgument("init_weight_transfer needs init_info (the trainer's rendezvous)")
+    async def _join_transfer(self, cmd: JoinTransfer) -> WorkerAck:
         await self.updates.join(cmd.init_info, cmd.rank)
         return self.ack()
 
-    async def _start_weight_update(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, StartWeightUpdate)
+    async def _open_session(self, cmd: OpenSession) -> WorkerAck:
         self.updates.start(cmd.session_id, cmd.target)
         return self.ack()
 
-    async def _update_weights(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, UpdateWeights)
+    async def _receive_weights(self, cmd: ReceiveWeights) -> WorkerAck:
         if cmd.check_only:
             self.updates.check(cmd.session_id, cmd.params, cmd.buckets)
         else:
-            assert self._tg is not None
             self.updates.receive(cmd.session_id, cmd.params, cmd.buckets, self._tg)
         return self.ack()
 
-    async def _prepare(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, PrepareCommit)
+    async def _prepare(self, cmd: PrepareCommit) -> WorkerAck:
         await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s, cmd.checksums)
         return self.ack()
 
-    async def _commit(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, Commit)
+    async def _commit(self, cmd: Commit) -> WorkerAck:
         target = self.updates.session.target if self.updates.session else "main"
         await self.updates.commit(cmd.session_id, cmd.weight_version)
         if target == "main":
             await self._set_stale(False)  # it holds the committed weights now
         return self.ack()
 
-    async def _abort_weight_update(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, AbortWeightUpdate)
+    async def _abort_session(self, cmd: AbortSession) -> WorkerAck:
         self.updates.abort(cmd.session_id)
         return self.ack()
 
-    async def _update_weight_version(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, UpdateWeightVersion)
+    async def _set_version(self, cmd: SetVersion) -> WorkerAck:
         self.updates.set_version(cmd.new_version)
         await self._set_stale(False)
         return self.ack()
 
-    async def _sync(self, cmd: AnyCommand) -> WorkerAck:
-        assert isinstance(cmd, Sync)
+    async def _sync(self, cmd: Sync) -> WorkerAck:
         await self._set_stale(self.engine.weight_version != cmd.committed_version)
         return self.ack()
 
@@ -337,12 +317,12 @@ class WorkerService:
         """
         if on and self._generate_service is None:
             svc = await add_service(
-                self.nc, name="rlbus-generate", version=SERVICE_VERSION,
+                self.nc, name=ServiceName.GENERATE, version=SERVICE_VERSION,
                 description="rlbus generation (reference engine)", metadata={"worker_id": self.id},
             )
             await svc.add_endpoint(
                 name="generate", subject=self.subjects.generate,
-                queue_group=f"{self.subjects.prefix}-generate", handler=self._on_generate,
+                queue_group=self.subjects.generate_queue, handler=self._on_generate,
             )
             self._generate_service = svc
         elif not on and self._generate_service is not None:
@@ -357,7 +337,6 @@ class WorkerService:
         except DecodeError as e:
             await req.respond_error(UNDECODABLE_STATUS, f"undecodable generate payload: {e}")
             return
-        assert self._endpoints is not None
 
         async def work() -> bytes:
             try:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import anyio
 import torch
 
-from rlbus.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
+from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget, version_problem
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer
 from rlbus.transfer.buckets import validate

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.client import RLClient
+from rlbus.sdk.client import RLClient
 from tests.e2e.upproc import running_up, sigterm_exit_code
 
 WORKERS = ["worker-0", "worker-1"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.natsconfig import read_env_file
+from rlbus.runners.natsconfig import read_env_file
 from tests.e2e.upproc import running_up, sigterm_exit_code
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
-from rlbus.demo.run import draft_config
-from rlbus.demo.task import Task, split_by_staleness, version_step
-from rlbus.demo.trainer import DemoConfig, Trainer
+from rlbus.runners.demo.run import draft_config
+from rlbus.runners.demo.task import Task, split_by_staleness, version_step
+from rlbus.runners.demo.trainer import DemoConfig, Trainer
 from rlbus.schemas import GenerateReply
-from rlbus.services.worker.model import ModelConfig
+from rlbus.models.tinylm import ModelConfig
 from tests.fleet import start_fleet
 
 MODEL = ModelConfig(d_model=32, seed=0)

@@ -18,7 +18,7 @@ from rlbus.schemas import (
     FleetAck,
     GetServerInfo,
     Nack,
-    Pause,
+    PauseWorker,
     ServerInfo,
     Subjects,
     WorkerAck,
@@ -30,9 +30,9 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
-from rlbus.client import RLClient
-from rlbus.connection import connect
-from rlbus.local import LocalFleet
+from rlbus.sdk.client import RLClient
+from rlbus.bus.connection import connect
+from rlbus.runners.local import LocalFleet
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,
@@ -101,7 +101,7 @@ class _Standby:
 async def _serves(rl: RLClient, controller_id: str) -> bool:
     """server_info is answered by `controller_id`, with every worker registered."""
     try:
-        info = await rl._call(GetServerInfo(), ServerInfo, timeout=1.0)
+        info = await rl.call(GetServerInfo(), ServerInfo, timeout=1.0)
     except rlbus.RLBusError:
         return False
     return info.controller_id == controller_id and sorted(w.worker_id for w in info.workers) == WORKERS
@@ -174,7 +174,7 @@ async def test_a_worker_refuses_a_command_stamped_with_an_older_epoch(fleet, nat
     try:
         msg = await nc.request(
             Subjects(prefix=p).worker("w0", "pause"),
-            encode(Pause(mode="abort", epoch=old_epoch, command_id=uuid.uuid4().hex)), timeout=5,
+            encode(PauseWorker(mode="abort", epoch=old_epoch, command_id=uuid.uuid4().hex)), timeout=5,
         )
         reply = reply_decoder.decode(msg.data)
         assert isinstance(reply, Nack), f"a command from epoch {old_epoch} was obeyed: {reply!r}"
@@ -187,7 +187,7 @@ async def test_a_worker_refuses_a_command_stamped_with_an_older_epoch(fleet, nat
         # the same command stamped with the current epoch is obeyed: the refusal was the epoch
         msg = await nc.request(
             Subjects(prefix=p).worker("w0", "pause"),
-            encode(Pause(mode="abort", epoch=new.epoch, command_id=uuid.uuid4().hex)), timeout=5,
+            encode(PauseWorker(mode="abort", epoch=new.epoch, command_id=uuid.uuid4().hex)), timeout=5,
         )
         obeyed = reply_decoder.decode(msg.data)
         assert isinstance(obeyed, WorkerAck) and obeyed.state.paused
@@ -272,17 +272,17 @@ async def test_a_retried_finish_with_the_same_command_id_commits_once_and_answer
     named = trained(31)
     await rl.start_weight_update()
     await rl.update_weights(named)
-    finish = FinishWeightUpdate(weight_version="once", checksums=rl._checksums, command_id=uuid.uuid4().hex)
+    finish = FinishWeightUpdate(weight_version="once", checksums=rl.push.checksums, command_id=uuid.uuid4().hex)
 
     async with VersionEvents(rl) as events:
-        first, duplicate = await asyncio.gather(rl._call(finish, FleetAck), rl._call(finish, FleetAck))
-        retried = await rl._call(finish, FleetAck)
+        first, duplicate = await asyncio.gather(rl.call(finish, FleetAck), rl.call(finish, FleetAck))
+        retried = await rl.call(finish, FleetAck)
 
         assert first.weight_version == "once"
         assert duplicate == first and retried == first
         # a finish with a fresh id is what a non-deduplicated retry would have run: refused
         with pytest.raises(rlbus.FailedPrecondition):
-            await rl._call(FinishWeightUpdate(weight_version="twice"), FleetAck)
+            await rl.call(FinishWeightUpdate(weight_version="twice"), FleetAck)
         await rl.update_weight_version("marker")
         # in publish order: a second "once" would sit before the marker
         assert await events.wait_for(2) == ["once", "marker"]

@@ -16,9 +16,9 @@ from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
-from rlbus.client import RLClient
-from rlbus.local import LocalFleet
-from rlbus.natsserver import NatsServer
+from rlbus.sdk.client import RLClient
+from rlbus.runners.local import LocalFleet
+from rlbus.runners.natsserver import NatsServer
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,
@@ -67,7 +67,7 @@ async def settled(fleet):
 
 
 async def _restart(server: NatsServer) -> None:
-    # On the loop's own (main) thread, on purpose: rlbus.children sets PR_SET_PDEATHSIG, which
+    # On the loop's own (main) thread, on purpose: rlbus.runners.children sets PR_SET_PDEATHSIG, which
     # fires when the *thread* that spawned the child exits, and anyio retires idle worker
     # threads after 10 s, taking a server restarted from one with them.
     server.restart()
@@ -76,7 +76,7 @@ async def _restart(server: NatsServer) -> None:
 async def _answers_with(rl: RLClient, workers: Sequence[str]) -> ServerInfo | None:
     """server_info, once the controller answers it and lists exactly `workers`."""
     try:
-        info = await rl._call(GetServerInfo(), ServerInfo, timeout=1.0)
+        info = await rl.call(GetServerInfo(), ServerInfo, timeout=1.0)
     except Exception:  # noqa: BLE001 - reconnecting: an RLBusError, or the request may not even go out
         return None
     return info if sorted(w.worker_id for w in info.workers) == sorted(workers) else None
@@ -161,7 +161,7 @@ async def test_a_version_watcher_started_while_the_server_is_down_yields_once_it
     server.stop(keep_store=True)
     await eventually(lambda: rl.nc.is_reconnecting, timeout=10, what="the client noticing the server is gone")
     watcher = rl.watch_versions()
-    caplog.set_level("INFO", logger="rlbus.client")
+    caplog.set_level("INFO", logger="rlbus.sdk.versions")
     first = asyncio.ensure_future(anext(watcher))
     try:
         await eventually(lambda: "retrying" in caplog.text, timeout=15,

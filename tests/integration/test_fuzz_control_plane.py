@@ -21,6 +21,15 @@ from hypothesis import strategies as st
 
 from rlbus.schemas import (
     CONTROL_OPS,
+    AbortSession,
+    GetStatus,
+    OpenSession,
+    PauseWorker,
+    ReceiveWeights,
+    SetVersion,
+    SleepWorker,
+    TransferInit,
+    WakeWorker,
     ERROR_CODES,
     UNDECODABLE_STATUS,
     WORKER_OPS,
@@ -83,42 +92,58 @@ json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(
                           lambda c: st.lists(c, max_size=3) | st.dictionaries(text, c, max_size=3), max_leaves=8)
 
 
-def typed_but_wrong(epoch: int) -> st.SearchStrategy[object]:
-    """Commands whose kind matches some op but whose values no handler may accept (no session is open)."""
-    e = st.just(epoch)
+def control_typed_but_wrong() -> st.SearchStrategy[object]:
+    """Control commands whose kind matches some op but whose values no handler may accept (no session is open)."""
     return st.one_of(
-        st.builds(Pause, mode=text.filter(lambda m: m not in ("abort", "wait", "keep")), epoch=e),
-        st.builds(Sleep, level=st.integers().filter(lambda x: x not in (1, 2)), epoch=e),
-        st.builds(Sleep, level=st.sampled_from([1, 2]), tags=st.one_of(st.just([]), st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3)), epoch=e),
-        st.builds(WakeUp, tags=st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3), epoch=e),
-        st.builds(StartWeightUpdate, target=text.filter(lambda t: t not in ("main", "draft")), epoch=e),
-        st.builds(InitWeightTransfer, backend=st.sampled_from([None, "gloo"]), init_info=st.none(), epoch=e),
-        st.builds(InitWeightTransfer, backend=text.filter(lambda b: b not in ("nccl", "gloo", "shm")), epoch=e),
-        st.builds(UpdateWeights, params=st.lists(param_meta, max_size=4), buckets=st.lists(bucket_meta, max_size=3),
-                  session_id=text, check_only=st.booleans(), epoch=e),
-        st.builds(FinishWeightUpdate, weight_version=st.one_of(st.none(), bad_versions, text), session_id=text, epoch=e),
-        st.builds(UpdateWeightVersion, new_version=bad_versions, epoch=e),
-        st.builds(PrepareCommit, session_id=text, epoch=e),
-        st.builds(Commit, session_id=text, weight_version=st.one_of(st.none(), text), epoch=e),
-        st.builds(Sync, committed_version=st.integers(), epoch=e),  # wrong type: never decodes
+        st.builds(Pause, mode=text.filter(lambda m: m not in ("abort", "wait", "keep"))),
+        st.builds(Sleep, level=st.integers().filter(lambda x: x not in (1, 2))),
+        st.builds(Sleep, level=st.sampled_from([1, 2]), tags=st.one_of(st.just([]), st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3))),
+        st.builds(WakeUp, tags=st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3)),
+        st.builds(StartWeightUpdate, target=text.filter(lambda t: t not in ("main", "draft"))),
+        st.builds(InitWeightTransfer, backend=text.filter(lambda b: b not in ("nccl", "gloo", "shm")), init_info=st.builds(TransferInit, backend=st.just("gloo"))),
+        st.builds(UpdateWeights, params=st.lists(param_meta, max_size=4), buckets=st.lists(bucket_meta, max_size=3), session_id=text),
+        st.builds(FinishWeightUpdate, weight_version=st.one_of(st.none(), bad_versions, text), session_id=text),
+        st.builds(UpdateWeightVersion, new_version=bad_versions),
     )
 
 
-def harmless(epoch: int) -> st.SearchStrategy[object]:
+def worker_typed_but_wrong(epoch: int) -> st.SearchStrategy[object]:
+    """Worker commands whose kind matches some op but whose values no handler may accept (no session is open)."""
+    e, cid = st.just(epoch), text
+    return st.one_of(
+        st.builds(PauseWorker, mode=text.filter(lambda m: m not in ("abort", "wait", "keep")), epoch=e, command_id=cid),
+        st.builds(SleepWorker, level=st.integers().filter(lambda x: x not in (1, 2)), epoch=e, command_id=cid),
+        st.builds(SleepWorker, level=st.sampled_from([1, 2]), tags=st.one_of(st.just([]), st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3)), epoch=e, command_id=cid),
+        st.builds(WakeWorker, tags=st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3), epoch=e, command_id=cid),
+        st.builds(OpenSession, session_id=text, target=text.filter(lambda t: t not in ("main", "draft")), epoch=e, command_id=cid),
+        st.builds(ReceiveWeights, params=st.lists(param_meta, max_size=4), buckets=st.lists(bucket_meta, max_size=3),
+                  session_id=text, check_only=st.booleans(), epoch=e, command_id=cid),
+        st.builds(SetVersion, new_version=bad_versions, epoch=e, command_id=cid),
+        st.builds(PrepareCommit, session_id=text, epoch=e, command_id=cid),
+        st.builds(Commit, session_id=text, weight_version=st.one_of(st.none(), text), epoch=e, command_id=cid),
+        st.builds(Sync, committed_version=st.integers(), epoch=e, command_id=cid),  # wrong type: never decodes
+    )
+
+
+def control_harmless() -> st.SearchStrategy[object]:
     """Valid commands that change nothing on a resumed, awake fleet with no session."""
-    e = st.just(epoch)
-    return st.one_of(st.builds(GetServerInfo, command_id=text, epoch=e), st.builds(AbortWeightUpdate, session_id=text, reason=text, epoch=e))
+    return st.one_of(st.builds(GetServerInfo, command_id=text), st.builds(AbortWeightUpdate, session_id=text, reason=text))
 
 
-def payloads(ops: tuple[str, ...], epoch: int) -> st.SearchStrategy[tuple[str, bytes, bool]]:
+def worker_harmless(epoch: int) -> st.SearchStrategy[object]:
+    return st.one_of(st.builds(GetStatus, command_id=text, epoch=st.just(epoch)),
+                     st.builds(AbortSession, session_id=text, reason=text, epoch=st.just(epoch), command_id=text))
+
+
+def payloads(ops: tuple[str, ...], typed_but_wrong: st.SearchStrategy[object],
+             harmless: st.SearchStrategy[object]) -> st.SearchStrategy[tuple[str, bytes, bool]]:
     """(op, payload, must_be_refused)."""
     op = st.sampled_from(ops + ("no_such_op", "x-y"))
     raw = st.tuples(op, st.binary(min_size=1, max_size=256), st.just(True))
     js = st.tuples(op, json_value.map(lambda v: json.dumps(v).encode()).filter(lambda b: b not in (b'""',)), st.just(True))
-    typed = st.tuples(op, typed_but_wrong(epoch).map(encode), st.just(True))
-    benign = st.tuples(op, harmless(epoch).map(encode), st.just(False))
+    typed = st.tuples(op, typed_but_wrong.map(encode), st.just(True))
+    benign = st.tuples(op, harmless.map(encode), st.just(False))
     return st.one_of(raw, js, typed, benign)
-
 
 
 def _must_refuse(op: str, data: bytes, refuse: bool) -> bool:
@@ -188,8 +213,7 @@ async def _assert_unchanged(fleet, rl, named) -> None:  # noqa: ANN001
 
 async def test_control_subjects_refuse_garbage_and_change_nothing(fleet):
     f, rl, named = fleet
-    epoch = (await rl.server_info()).epoch
-    n = await anyio.to_thread.run_sync(_fuzz, rl, rl.subjects.control, payloads(CONTROL_OPS, epoch))
+    n = await anyio.to_thread.run_sync(_fuzz, rl, rl.subjects.control, payloads(CONTROL_OPS, control_typed_but_wrong(), control_harmless()))
     assert n >= 30
     await _assert_unchanged(f, rl, named)
 
@@ -227,7 +251,7 @@ async def test_worker_subjects_refuse_garbage_and_change_nothing(fleet):
     # sent straight to w0 with the controller's epoch, so handlers run (not just the fence)
     f, rl, named = fleet
     epoch = (await rl.server_info()).epoch
-    n = await anyio.to_thread.run_sync(_fuzz, rl, lambda op: rl.subjects.worker("w0", op), payloads(WORKER_OPS, epoch))
+    n = await anyio.to_thread.run_sync(_fuzz, rl, lambda op: rl.subjects.worker("w0", op), payloads(WORKER_OPS, worker_typed_but_wrong(epoch), worker_harmless(epoch)))
     assert n >= 30
     await _assert_unchanged(f, rl, named)
 
@@ -235,7 +259,7 @@ async def test_worker_subjects_refuse_garbage_and_change_nothing(fleet):
 async def test_a_refused_worker_command_from_a_future_epoch_does_not_fence_out_the_controller(fleet):
     f, rl, named = fleet
     epoch = (await rl.server_info()).epoch
-    msg = await _ask(rl, rl.subjects.worker("w0", "prepare"), encode(PrepareCommit(session_id="nope", epoch=epoch + 1000)))
+    msg = await _ask(rl, rl.subjects.worker("w0", "prepare"), encode(PrepareCommit(session_id="nope", epoch=epoch + 1000, command_id="future")))
     assert isinstance(reply_decoder.decode(msg.data), Nack)
     try:
         await rl.pause("wait")  # the real controller must still command w0
@@ -248,7 +272,7 @@ async def test_a_refused_worker_command_from_a_future_epoch_does_not_fence_out_t
 async def test_a_worker_refuses_an_invalid_version_sent_to_it_directly(fleet):
     f, rl, named = fleet
     epoch = (await rl.server_info()).epoch
-    msg = await _ask(rl, rl.subjects.worker("w0", "update_weight_version"), encode(UpdateWeightVersion(new_version="", epoch=epoch)))
+    msg = await _ask(rl, rl.subjects.worker("w0", "update_weight_version"), encode(SetVersion(new_version="", epoch=epoch, command_id="empty-version")))
     reply = reply_decoder.decode(msg.data)
     try:
         assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT", reply

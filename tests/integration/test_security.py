@@ -16,12 +16,12 @@ import time
 import pytest
 
 import rlbus
-from rlbus.client import RLClient
-from rlbus.connection import NatsAuth, connect, denials_of, drain
-from rlbus.local import LocalFleet
-from rlbus.natsconfig import ROLES, read_env_file, write_config
-from rlbus.natsserver import NatsServer
-from rlbus.schemas import Pause, Subjects, encode
+from rlbus.sdk.client import RLClient
+from rlbus.bus.connection import NatsAuth, connect, denials_of, drain, request
+from rlbus.runners.local import LocalFleet
+from rlbus.runners.natsconfig import ROLES, read_env_file, write_config
+from rlbus.runners.natsserver import NatsServer
+from rlbus.schemas import PauseWorker, Subjects, encode
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -131,7 +131,7 @@ async def test_a_trainer_cannot_command_a_worker_directly(secure, fleet, trainer
         subject = rogue.subjects.worker("w0", "pause")
         t0 = time.monotonic()
         with pytest.raises(rlbus.PermissionDenied):
-            await rogue._request(subject, encode(Pause(mode="abort", command_id="rogue")), 30.0)
+            await request(nc, subject, encode(PauseWorker(mode="abort", epoch=0, command_id="rogue")), 30.0)
         assert time.monotonic() - t0 < 5.0
         assert denials_of(nc).denied(subject)
         assert ("publish", subject) in denials_of(nc).seen

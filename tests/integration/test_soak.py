@@ -20,8 +20,8 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
-from rlbus.client import RLClient
-from rlbus.local import LocalFleet
+from rlbus.sdk.client import RLClient
+from rlbus.runners.local import LocalFleet
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,

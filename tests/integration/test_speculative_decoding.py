@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlbus
-from rlbus.services.worker.model import TinyLM
+from rlbus.models.tinylm import TinyLM
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from tests.fleet import SMALL, start_fleet
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import rlbus
-from rlbus.client import SyncRLClient
+from rlbus.sdk.client import SyncRLClient
 from rlbus.schemas import FleetAck, GenerateReply
 from tests.fleet import LONG, fleet_running, start_fleet
 from tests.waiting import eventually

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import rlbus
-from rlbus.client import RLClient
-from rlbus.connection import NatsAuth
-from rlbus.natsconfig import Tls, read_env_file, write_config
-from rlbus.natsserver import NatsServer
+from rlbus.sdk.client import RLClient
+from rlbus.bus.connection import NatsAuth
+from rlbus.runners.natsconfig import Tls, read_env_file, write_config
+from rlbus.runners.natsserver import NatsServer
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

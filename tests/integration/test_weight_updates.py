@@ -18,7 +18,7 @@ import torch
 import rlbus
 from rlbus.schemas import Subjects
 from rlbus.services.controller.service import ControllerOptions
-from rlbus.services.worker.model import ModelConfig
+from rlbus.models.tinylm import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 from tests.fleet import fleet_running, start_fleet
@@ -146,8 +146,8 @@ async def test_a_finish_without_the_senders_checksums_aborts_and_changes_nothing
     version = (await rl.server_info()).weight_version
     await rl.start_weight_update()
     await rl.update_weights(trained(65))
-    assert rl._checksums, "the client kept the checksums of what it sent"
-    rl._checksums = rl._checksums[:-1]  # one bucket short
+    assert rl.push.checksums, "the client kept the checksums of what it sent"
+    rl.push.checksums = rl.push.checksums[:-1]  # one bucket short
     with pytest.raises(rlbus.Aborted) as err:
         await rl.finish_weight_update(new_version("unverified"))
     assert "checksum" in err.value.message and sorted(err.value.workers) == sorted(f.workers)
@@ -161,7 +161,7 @@ async def test_an_update_split_into_several_metadata_messages_commits_with_every
     f, rl = fleet
     if not rl.transfer_ready:
         await rl.init_weight_transfer(timeout_s=10)
-    monkeypatch.setattr(rlbus.updates, "_MAX_META_BYTES", 2000)  # a few tensors per UpdateWeights
+    monkeypatch.setattr(rlbus.sdk.push, "MAX_META_BYTES", 2000)  # a few tensors per UpdateWeights
     named = trained(67)
     await rl.start_weight_update()
     await rl.update_weights(named, bucket_bytes=4096)
@@ -178,12 +178,12 @@ async def test_malformed_checksums_are_refused_and_the_session_stays_open(fleet)
         await rl.init_weight_transfer(timeout_s=10)
     await rl.start_weight_update()
     await rl.update_weights(trained(66))
-    rl._checksums = [c.upper() for c in rl._checksums]
+    rl.push.checksums = [c.upper() for c in rl.push.checksums]
     with pytest.raises(rlbus.InvalidArgument) as err:
         await rl.finish_weight_update(new_version("malformed"))
     assert "hex" in err.value.message
     assert (await rl.server_info()).session_id is not None, "a refused finish leaves the session open"
-    rl._checksums = [c.lower() for c in rl._checksums]
+    rl.push.checksums = [c.lower() for c in rl.push.checksums]
     named = trained(66)
     await rl.finish_weight_update(new_version("well-formed"))
     for wid in f.workers:

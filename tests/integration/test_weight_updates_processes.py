@@ -1,4 +1,4 @@
-"""Weight updates to workers that are separate processes (rlbus.launcher.Fleet), over gloo.
+"""Weight updates to workers that are separate processes (rlbus.runners.launcher.Fleet), over gloo.
 
 Workers are remote here, so bit-level evidence comes from greedy decoding: every worker's
 output must equal a local TinyLM's holding the pushed tensors, token for token. One Fleet
@@ -13,8 +13,8 @@ import anyio
 import pytest
 
 import rlbus
-from rlbus.client import RLClient
-from rlbus.launcher import Fleet
+from rlbus.sdk.client import RLClient
+from rlbus.runners.launcher import Fleet
 from tests.waiting import eventually
 from tests.weights_helpers import MAX_TOKENS, MODEL, PROMPTS, first_watched_version, greedy, new_version, trained
 

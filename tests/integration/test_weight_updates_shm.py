@@ -58,5 +58,5 @@ async def test_shape_mismatch_over_shm_is_refused_naming_the_tensor_before_any_b
 async def test_the_trainer_packs_straight_into_shared_memory_so_workers_copy_once(fleet):
     f, rl = fleet
     await check_push_weights_is_bit_identical(f, rl, seed=81)
-    assert rl._tx is not None and len(rl._scratch) == 2
-    assert all(rl._tx._in_pool(b) is not None for b in rl._scratch), "the packing buffers are not the transport's shared memory"
+    assert rl.push.transfer is not None and len(rl.push.scratch) == 2
+    assert all(rl.push.transfer.holds(b) for b in rl.push.scratch), "the packing buffers are not the transport's shared memory"

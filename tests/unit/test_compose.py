@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 import yaml
 
-from rlbus.cli import main
+from rlbus.runners.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlbus.updates import _MAX_META_BYTES, _chunks
+from rlbus.sdk.push import MAX_META_BYTES, meta_chunks
 from rlbus.schemas import UpdateWeights, encode
 from rlbus.transfer.stream import prepare
 
@@ -12,15 +12,15 @@ from rlbus.transfer.stream import prepare
 def test_a_model_with_many_tensors_is_sent_in_several_metadata_messages_under_the_limit():
     named = [(f"layers.{i}.some_rather_long_parameter_name.weight", torch.zeros(4, 4)) for i in range(12000)]
     plan = prepare(named, 1 << 16)
-    chunks = list(_chunks(plan.per_bucket))
+    chunks = list(meta_chunks(plan.per_bucket))
     assert len(chunks) > 1
     assert chunks[0][0] == 0 and chunks[-1][1] == len(plan.per_bucket)
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])), "chunks must be consecutive and cover every bucket"
     for first, last in chunks:
         params = [m for k in range(first, last) for m in plan.per_bucket[k]]
-        assert len(encode(UpdateWeights(params=params))) < _MAX_META_BYTES
+        assert len(encode(UpdateWeights(params=params))) < MAX_META_BYTES
 
 
 def test_a_small_model_is_one_message():
     plan = prepare([("w", torch.zeros(8))], 1 << 20)
-    assert list(_chunks(plan.per_bucket)) == [(0, 1)]
+    assert list(meta_chunks(plan.per_bucket)) == [(0, 1)]

@@ -20,7 +20,7 @@ def test_every_python_package_folder_is_in_the_wheel():
 
 def test_the_console_script_points_at_the_cli():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert cfg["project"]["scripts"]["rlbus"] == "rlbus.cli:main"
-    from rlbus.cli import main
+    assert cfg["project"]["scripts"]["rlbus"] == "rlbus.runners.cli:main"
+    from rlbus.runners.cli import main
 
     assert {"up", "demo", "controller", "worker", "status", "nats-config"} <= set(main.commands)

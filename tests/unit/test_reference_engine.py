@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from rlbus.errors import FailedPrecondition, InvalidArgument
+from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
 from rlbus.schemas import GenerateRequest
 from rlbus.schemas import GenerateReply
-from rlbus.services.worker.model import ModelConfig
+from rlbus.models.tinylm import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from tests.waiting import eventually
 

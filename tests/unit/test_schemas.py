@@ -4,46 +4,81 @@ import msgspec
 import pytest
 
 import rlbus.schemas as s
-from rlbus.errors import FailedPrecondition, Unavailable, error_for, from_nack
+from rlbus.schemas import FailedPrecondition, Unavailable, error_for, from_nack
 
 
-def _commands() -> list[s.Command]:
+def _control_commands() -> list[s.ControlCommand]:
     return [
-        s.Pause(mode="keep", command_id="c1", epoch=3),
+        s.Pause(mode="keep", command_id="c1"),
         s.Resume(),
         s.IsPaused(),
         s.Sleep(level=2, tags=["weights"]),
         s.WakeUp(tags=["kv_cache"]),
         s.IsSleeping(),
         s.GetServerInfo(),
-        s.GetStatus(),
-        s.InitWeightTransfer(backend="gloo", init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3), rank=1),
-        s.StartWeightUpdate(target="draft", session_id="abc"),
-        s.StartDraftWeightUpdate(),
+        s.InitWeightTransfer(backend="gloo", init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3)),
+        s.StartWeightUpdate(target="draft"),
         s.UpdateWeights(
             session_id="abc",
             params=[s.ParamMeta(name="w", dtype="bfloat16", shape=[2, 3], bucket=0, offset=0, nbytes=12)],
             buckets=[s.BucketMeta(index=0, nbytes=64)],
         ),
         s.FinishWeightUpdate(weight_version="step-1"),
-        s.PrepareCommit(session_id="abc"),
-        s.Commit(session_id="abc", weight_version="v"),
         s.AbortWeightUpdate(reason="x"),
         s.UpdateWeightVersion(new_version="v2"),
         s.GetWeightVersion(),
-        s.Sync(committed_version="step-3"),
     ]
 
 
-@pytest.mark.parametrize("cmd", _commands(), ids=lambda c: type(c).__name__)
-def test_every_command_round_trips_through_the_union_decoder(cmd):
-    assert s.command_decoder.decode(s.encode(cmd)) == cmd
+def _worker_commands() -> list[s.WorkerCommand]:
+    stamp = {"epoch": 3, "command_id": "c1"}
+    return [
+        s.PauseWorker(mode="keep", **stamp),
+        s.ResumeWorker(**stamp),
+        s.SleepWorker(level=2, tags=["weights"], **stamp),
+        s.WakeWorker(tags=["kv_cache"], **stamp),
+        s.GetStatus(**stamp),
+        s.JoinTransfer(init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3), rank=1, **stamp),
+        s.OpenSession(target="draft", session_id="abc", **stamp),
+        s.ReceiveWeights(
+            session_id="abc",
+            params=[s.ParamMeta(name="w", dtype="bfloat16", shape=[2, 3], bucket=0, offset=0, nbytes=12)],
+            buckets=[s.BucketMeta(index=0, nbytes=64)],
+            check_only=True,
+            **stamp,
+        ),
+        s.PrepareCommit(session_id="abc", **stamp),
+        s.Commit(session_id="abc", weight_version="v", **stamp),
+        s.AbortSession(session_id="abc", reason="x", **stamp),
+        s.SetVersion(new_version="v2", **stamp),
+        s.Sync(committed_version="step-3", **stamp),
+    ]
+
+
+@pytest.mark.parametrize("cmd", _control_commands(), ids=lambda c: type(c).__name__)
+def test_every_control_command_round_trips_through_the_control_decoder(cmd):
+    assert s.control_decoder.decode(s.encode(cmd)) == cmd
+
+
+@pytest.mark.parametrize("cmd", _worker_commands(), ids=lambda c: type(c).__name__)
+def test_every_worker_command_round_trips_through_the_worker_decoder(cmd):
+    assert s.worker_command_decoder.decode(s.encode(cmd)) == cmd
 
 
 def test_every_command_tag_is_an_op_name():
-    tags = {type(c).__struct_config__.tag for c in _commands()}
-    assert set(s.CONTROL_OPS) <= tags
-    assert set(s.WORKER_OPS) <= tags
+    assert set(s.CONTROL_OPS) == {s.op_of(c) for c in _control_commands()}
+    assert set(s.WORKER_OPS) == {s.op_of(c) for c in _worker_commands()}
+
+
+def test_a_worker_command_needs_the_controllers_stamp():
+    with pytest.raises(msgspec.ValidationError):
+        s.worker_command_decoder.decode(b'{"kind":"pause","mode":"abort"}')
+
+
+def test_a_control_command_carries_no_worker_only_field():
+    assert "rank" not in s.InitWeightTransfer.__struct_fields__
+    assert "epoch" not in s.ControlCommand.__struct_fields__
+    assert "check_only" not in s.UpdateWeights.__struct_fields__
 
 
 def test_replies_and_events_round_trip():
@@ -69,13 +104,13 @@ def test_replies_and_events_round_trip():
 
 def test_an_unknown_kind_or_bad_field_does_not_decode():
     with pytest.raises(msgspec.ValidationError):
-        s.command_decoder.decode(b'{"kind":"format_disk"}')
+        s.control_decoder.decode(b'{"kind":"format_disk"}')
     with pytest.raises(msgspec.ValidationError):
-        s.command_decoder.decode(b'{"kind":"pause","mode":"sideways"}')
+        s.control_decoder.decode(b'{"kind":"pause","mode":"sideways"}')
     with pytest.raises(msgspec.ValidationError):
-        s.command_decoder.decode(b'{"kind":"sleep","level":3}')
+        s.control_decoder.decode(b'{"kind":"sleep","level":3}')
     with pytest.raises(msgspec.DecodeError):
-        s.command_decoder.decode(b"\x00not json")
+        s.control_decoder.decode(b"\x00not json")
 
 
 def test_subjects_are_built_under_the_prefix_and_refuse_wildcards():

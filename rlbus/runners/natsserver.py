@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlbus.children import spawn
+from rlbus.runners.children import spawn
 
 _READY = "Server is ready"
 _CLIENT_PORT = re.compile(r"Listening for client connections on [^\s]+:(\d+)")

@@ -1,4 +1,5 @@
-"""Plumbing shared by the controller and worker endpoints.
+"""Plumbing shared by the controller and worker endpoints: handlers registered by command
+type (`Routes`), and `Endpoints`, which serves them.
 
 A NATS handler never blocks: nats-py runs one subscription's callbacks one at a time, so
 `Endpoints` acknowledges receipt by spawning the work as a task the service owns and
@@ -9,33 +10,71 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup
 from nats.micro.request import Request
+from nats.micro.service import Group
 
-from rlbus.errors import Internal, RLBusError
-from rlbus.schemas import UNDECODABLE_STATUS, AnyCommand, command_decoder, encode
+from rlbus.schemas import UNDECODABLE_STATUS, Internal, Message, RLBusError, encode, op_of
 from rlbus.schemas.codec import DecodeError
 
 log = logging.getLogger("rlbus.services")
 
-Reply = Callable[[], Awaitable[object]]
-CommandHandler = Callable[[AnyCommand], Awaitable[object]]
+C = TypeVar("C", bound=Message)
+
+Handler = Callable[[Any], Awaitable[object]]
 
 MAX_PAYLOAD = 8 * 1024 * 1024
 
 
-def decode_command(op: str, data: bytes) -> AnyCommand:
-    """Decode and check the payload's kind matches the subject's op; raises DecodeError."""
-    if len(data) > MAX_PAYLOAD:
-        raise DecodeError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-    cmd = command_decoder.decode(data or b'{"kind":"%s"}' % op.encode())
-    tag = type(cmd).__struct_config__.tag
-    if tag != op:
-        raise DecodeError(f"payload kind {tag!r} does not match the subject's op {op!r}")
-    return cmd
+class Route(Generic[C]):
+    """One command type's handler. inline=True (or a predicate of the command) answers inside
+    the NATS callback: only for handlers that will not wait (no lock, no I/O beyond their
+    reply), where a task would cost more than the work."""
+
+    def __init__(self, kind: type[C], handler: Callable[[C], Awaitable[object]], inline: bool | Callable[[C], bool]) -> None:
+        self.kind = kind
+        self.op = op_of(kind)
+        self.handler = handler
+        self.inline = inline
+
+    def runs_inline(self, cmd: C) -> bool:
+        return self.inline(cmd) if callable(self.inline) else self.inline
+
+
+class Routes:
+    """A service's one dispatch table: handlers registered by command type. The op (the
+    subject's last token) is the type's wire tag, so adding an op is one `add`."""
+
+    def __init__(self, decoder: msgspec.json.Decoder) -> None:
+        self.decoder = decoder
+        """Decodes every command this service accepts (one direction of the contract)."""
+        self._by_op: dict[str, Route[Any]] = {}
+
+    def add(self, kind: type[C], handler: Callable[[C], Awaitable[object]], *, inline: bool | Callable[[C], bool] = False) -> None:
+        route = Route(kind, handler, inline)
+        if route.op in self._by_op:
+            raise ValueError(f"{route.op} is routed twice")
+        self._by_op[route.op] = route
+
+    def __iter__(self) -> Iterator[Route[Any]]:
+        return iter(self._by_op.values())
+
+    def ops(self) -> set[str]:
+        return set(self._by_op)
+
+    def decode(self, op: str, data: bytes) -> Message:
+        """Decode and check the payload's kind matches the subject's op; raises DecodeError."""
+        if len(data) > MAX_PAYLOAD:
+            raise DecodeError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte limit")
+        cmd = self.decoder.decode(data or b'{"kind":"%s"}' % op.encode())
+        if op_of(cmd) != op:
+            raise DecodeError(f"payload kind {op_of(cmd)!r} does not match the subject's op {op!r}")
+        return cmd
 
 
 class ReplyCache:
@@ -89,25 +128,23 @@ class Endpoints:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def command(
-        self, op: str, handler: CommandHandler, *, inline: bool | Callable[[AnyCommand], bool] = False
-    ) -> Callable[[Request], Awaitable[None]]:
-        """A micro endpoint handler for `op` that decodes, runs `handler` and replies.
+    async def serve(self, group: Group, routes: Routes, wrap: Callable[[Handler], Handler] | None = None) -> None:
+        """One micro endpoint per route in `group`; `wrap` may put a check (fencing) around each handler."""
+        for route in routes:
+            await group.add_endpoint(name=route.op, subject=route.op, handler=self._endpoint(routes, route, wrap))
 
-        inline=True (or a predicate of the command) answers inside the NATS callback: only
-        for handlers that will not wait (no lock, no I/O beyond their reply), where a task
-        would cost more than the work.
-        Everything else runs as a task the service owns, so the callback returns at once.
-        """
+    def _endpoint(self, routes: Routes, route: Route[Any], wrap: Callable[[Handler], Handler] | None) -> Callable[[Request], Awaitable[None]]:
+        """Decodes, runs the handler (inline, or as a task the service owns) and replies."""
+        handler = wrap(route.handler) if wrap is not None else route.handler
+        op = route.op
 
         async def on_request(req: Request) -> None:
             try:
-                cmd = decode_command(op, req.data)
+                cmd = routes.decode(op, req.data)
             except DecodeError as e:
                 await req.respond_error(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}")
                 return
-            now = inline(cmd) if callable(inline) else inline
-            if now and cmd.command_id not in self.replies:
+            if route.runs_inline(cmd) and cmd.command_id not in self.replies:  # type: ignore[attr-defined]
                 await self._reply(req, lambda: self._answer(handler, cmd), counted=False)
             else:
                 self.spawn(req, lambda: self._answer(handler, cmd))
@@ -130,7 +167,7 @@ class Endpoints:
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._tg.start_soon(self._reply, req, work)
 
-    async def _answer(self, handler: CommandHandler, cmd: AnyCommand) -> bytes:
+    async def _answer(self, handler: Handler, cmd: Any) -> bytes:
         async def work() -> bytes:
             try:
                 return encode(await handler(cmd))
@@ -155,3 +192,9 @@ class Endpoints:
                 if self._in_flight == 0:
                     self._idle.set()
 
+
+class NotRunning:
+    """A service's task group before run(): nothing may be spawned yet."""
+
+    def start_soon(self, *a: object, **k: object) -> None:
+        raise RuntimeError("the service is not running")

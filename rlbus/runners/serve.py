@@ -10,9 +10,9 @@ from typing import Protocol
 import anyio
 from nats.aio.client import Client
 
-from rlbus.connection import NatsAuth, connect, denials_of, drain
+from rlbus.bus.connection import NatsAuth, connect, denials_of, drain
 
-log = logging.getLogger("rlbus.serve")
+log = logging.getLogger("rlbus.runners.serve")
 
 
 class Service(Protocol):

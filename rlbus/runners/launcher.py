@@ -10,11 +10,11 @@ from collections.abc import Sequence
 
 import anyio
 
-from rlbus.children import spawn
-from rlbus.client import RLClient
-from rlbus.connection import NatsAuth
-from rlbus.errors import DeadlineExceeded
-from rlbus.natsserver import NatsServer
+from rlbus.runners.children import spawn
+from rlbus.sdk.client import RLClient
+from rlbus.bus.connection import NatsAuth
+from rlbus.schemas.errors import DeadlineExceeded
+from rlbus.runners.natsserver import NatsServer
 
 
 class Fleet:

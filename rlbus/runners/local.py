@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from nats.aio.client import Client
 
-from rlbus.connection import connect, drain
+from rlbus.bus.connection import connect, drain
 from rlbus.services.controller.service import ControllerOptions, ControllerService
 from rlbus.services.worker.engine import Engine
 from rlbus.services.worker.service import WorkerOptions, WorkerService

@@ -1,8 +1,11 @@
-"""One exception type per error code, and the one place that maps codes to them."""
+"""One exception type per error code, and the one place that maps codes to them.
+
+Here, in the leaf, so the SDK and the services raise the same types without importing each other."""
 
 from __future__ import annotations
 
-from rlbus.schemas import ErrorCode, Nack, WorkerFailure
+from .codes import ErrorCode
+from .replies import Nack, WorkerFailure
 
 
 class RLBusError(Exception):
@@ -54,15 +57,16 @@ class PermissionDenied(RLBusError):
     code: ErrorCode = "PERMISSION_DENIED"
 
 
-class TransportError(RLBusError):
-    """A payload did not decode (service error header), not a refusal."""
+class BadRequest(RLBusError):
+    """The payload did not decode or named no operation (a NATS service error 400): a
+    transport fault from a client that speaks another contract, not a refusal."""
 
-    code: ErrorCode = "INVALID_ARGUMENT"
+    code: ErrorCode = "BAD_REQUEST"
 
 
 _BY_CODE: dict[str, type[RLBusError]] = {
     cls.code: cls
-    for cls in (FailedPrecondition, InvalidArgument, DeadlineExceeded, Unavailable, Aborted, Internal, PermissionDenied)
+    for cls in (FailedPrecondition, InvalidArgument, DeadlineExceeded, Unavailable, Aborted, Internal, PermissionDenied, BadRequest)
 }
 
 

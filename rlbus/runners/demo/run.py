@@ -8,8 +8,8 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from rlbus.launcher import Fleet, embedded_or
-from rlbus.services.worker.model import ModelConfig
+from rlbus.runners.launcher import Fleet, embedded_or
+from rlbus.models.tinylm import ModelConfig
 
 from .report import write_log, write_plot
 from .trainer import DemoConfig, StepLog, Trainer

@@ -34,8 +34,8 @@ class Tls(msgspec.Struct, frozen=True, kw_only=True):
     """Set to require client certificates signed by this CA (mutual TLS)."""
 
 
-def _kv_read(bucket: str) -> list[str]:
-    stream = f"KV_{bucket}"
+def _kv_read(subjects: Subjects) -> list[str]:
+    stream = subjects.kv_stream
     return [
         "$JS.API.INFO",
         f"$JS.API.STREAM.INFO.{stream}",
@@ -51,21 +51,19 @@ def _kv_read(bucket: str) -> list[str]:
 
 def permissions(role: str, subjects: Subjects) -> dict[str, object]:
     """The nats-server `permissions` block for a role."""
-    p = subjects.prefix
-    bucket = subjects.kv_bucket
     if role == "trainer":
         return {
-            "publish": {"allow": [f"{p}.control.>", subjects.generate, *_kv_read(bucket)]},
+            "publish": {"allow": [f"{subjects.control_group}.>", subjects.generate, *_kv_read(subjects)]},
             "subscribe": {"allow": ["_INBOX.>", subjects.version, subjects.events]},
         }
     if role == "controller":
         return {
             "publish": {
-                "allow": [f"{p}.worker.*.*", subjects.controller_hello, subjects.version, subjects.events,
-                          "$JS.API.>", f"$KV.{bucket}.>", "_INBOX.>"]
+                "allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.version, subjects.events,
+                          "$JS.API.>", subjects.kv_subjects, "_INBOX.>"]
             },
             "subscribe": {
-                "allow": [f"{p}.control.>", subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone,
+                "allow": [f"{subjects.control_group}.>", subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone,
                           "_INBOX.>", "$SRV.>"]
             },
             "allow_responses": True,
@@ -73,12 +71,12 @@ def permissions(role: str, subjects: Subjects) -> dict[str, object]:
     if role == "worker":
         return {
             "publish": {"allow": [subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone]},
-            "subscribe": {"allow": [f"{p}.worker.*.*", subjects.controller_hello, subjects.generate, "$SRV.>"]},
+            "subscribe": {"allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.generate, "$SRV.>"]},
             "allow_responses": True,  # one reply to each command it receives
         }
     if role == "observer":
         return {
-            "publish": {"allow": _kv_read(bucket)},
+            "publish": {"allow": _kv_read(subjects)},
             "subscribe": {"allow": ["_INBOX.>", subjects.version, subjects.events]},
         }
     raise ValueError(f"unknown role {role!r}; roles are {ROLES}")

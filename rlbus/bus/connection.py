@@ -13,8 +13,11 @@ import anyio
 import msgspec
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
-log = logging.getLogger("rlbus.connection")
+from rlbus.schemas import PermissionDenied
+
+log = logging.getLogger("rlbus.bus.connection")
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 URL_ENV = "RLBUS_NATS_URL"
@@ -211,3 +214,32 @@ async def drain(nc: Client, timeout: float = 5.0) -> None:
         await nc.close()
     except Exception as e:
         log.debug("close failed: %s", e)
+
+
+async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> Msg:
+    """nc.request, except that a permission denial for `subject` fails at once, loudly, with
+    PermissionDenied, instead of surfacing as a timeout (nats-py reports a denial only to
+    its error callback)."""
+    denials = denials_of(nc)
+    outcome: list[Msg | Exception] = []
+    with denials.watch(subject) as denied:
+        async with anyio.create_task_group() as tg:
+
+            async def ask() -> None:
+                try:
+                    outcome.append(await nc.request(subject, payload, timeout=timeout))
+                except Exception as e:  # noqa: BLE001
+                    outcome.append(e)
+                tg.cancel_scope.cancel()
+
+            async def refused() -> None:
+                await denied.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(ask)
+            tg.start_soon(refused)
+    if denied.is_set():
+        raise PermissionDenied(f"the NATS server denies this identity publishing to {subject}; check its credentials and role")
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]

@@ -12,8 +12,8 @@ from typing import Any
 import anyio
 import click
 
-from rlbus.connection import DEFAULT_URL, URL_ENV
-from rlbus.errors import RLBusError
+from rlbus.bus.connection import DEFAULT_URL, URL_ENV
+from rlbus.schemas.errors import RLBusError
 
 _AUTH_FIELDS = ("user", "password", "creds", "nkey", "tls_ca", "tls_cert", "tls_key")
 _AUTH_HELP = {
@@ -39,7 +39,7 @@ def url_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _auth() -> Any:
-    from rlbus.connection import NatsAuth
+    from rlbus.bus.connection import NatsAuth
 
     return NatsAuth(**click.get_current_context().meta.get("rlbus_auth", {}))
 
@@ -87,8 +87,8 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
     import tempfile
     from pathlib import Path
 
-    from rlbus.launcher import Fleet, embedded_or
-    from rlbus.natsconfig import read_env_file, write_config
+    from rlbus.runners.launcher import Fleet, embedded_or
+    from rlbus.runners.natsconfig import read_env_file, write_config
 
     _logging(verbose)
     role_env: dict[str, dict[str, str]] = {}
@@ -140,7 +140,7 @@ def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None
     observer roles, each allowed only its own subjects (see README, SECURITY)."""
     from pathlib import Path
 
-    from rlbus.natsconfig import Tls, write_config
+    from rlbus.runners.natsconfig import Tls, write_config
 
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
@@ -160,7 +160,7 @@ def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None
 def controller(nats_url: str | None, prefix: str, command_timeout: float, liveness_timeout: float, verbose: bool) -> None:
     """Run the controller service."""
     from rlbus.schemas import Subjects
-    from rlbus.serve import serve
+    from rlbus.runners.serve import serve
     from rlbus.services.controller.service import ControllerOptions, ControllerService
 
     _logging(verbose)
@@ -204,8 +204,8 @@ def worker(
     import torch
 
     from rlbus.schemas import Subjects
-    from rlbus.serve import serve
-    from rlbus.services.worker.model import ModelConfig
+    from rlbus.runners.serve import serve
+    from rlbus.models.tinylm import ModelConfig
     from rlbus.services.worker.reference_engine import ReferenceEngine
     from rlbus.services.worker.service import WorkerOptions, WorkerService
 
@@ -254,7 +254,7 @@ def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, 
     policy gradient and pushes weights (and a distilled draft) every step."""
     from pathlib import Path
 
-    from rlbus.demo.run import run_demo
+    from rlbus.runners.demo.run import run_demo
 
     _logging(False)
     logging.getLogger().setLevel(logging.WARNING)
@@ -270,7 +270,7 @@ def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, 
 
 
 def _client_call(nats_url: str | None, fn: Callable[[Any], Awaitable[Any]]) -> Any:
-    from rlbus.client import RLClient
+    from rlbus.sdk.client import RLClient
 
     auth = _auth()
 

@@ -16,9 +16,9 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from rlbus.client import RLClient
+from rlbus.sdk.client import RLClient
 from rlbus.schemas import GenerateReply
-from rlbus.services.worker.model import ModelConfig, TinyLM
+from rlbus.models.tinylm import ModelConfig, TinyLM
 
 from .task import Task, split_by_staleness
 

@@ -1,0 +1,1 @@
+"""rlbus.models — torch models shared by the reference engine, the demo, the tests and the benches."""

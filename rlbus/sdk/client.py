@@ -1,0 +1,322 @@
+"""The trainer SDK: RLClient (async) and SyncRLClient (same methods, blocking)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import msgspec
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from nats.aio.client import Client
+
+from rlbus.bus.connection import NatsAuth, connect, drain, request, resolve_url
+from rlbus.bus.faults import expect_reply, fault_of
+from rlbus.schemas import (
+    AnyControlCommand,
+    Backend,
+    FleetAck,
+    GenerateReply,
+    GenerateRequest,
+    GetServerInfo,
+    GetWeightVersion,
+    IsPaused,
+    IsSleeping,
+    Pause,
+    PauseMode,
+    PermissionDenied,
+    Resume,
+    RLBusError,
+    ServerInfo,
+    Sleep,
+    SleepTag,
+    Subjects,
+    Unavailable,
+    UpdateWeightVersion,
+    VersionInfo,
+    WakeUp,
+    encode,
+    generate_reply_decoder,
+    op_of,
+)
+from rlbus.sdk.push import WeightPush
+from rlbus.sdk.versions import watch_versions
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+log = logging.getLogger("rlbus.sdk.client")
+
+
+class RLClient:
+    """Talks to the controller over NATS. `async with await RLClient.connect(url) as rl: ...`"""
+
+    def __init__(self, nc: Client, *, subjects: Subjects | None = None, timeout: float = 60.0, owns_connection: bool = False) -> None:
+        self.nc = nc
+        self.subjects = subjects or Subjects()
+        self.timeout = timeout
+        """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
+        self._owns = owns_connection
+        self.push = WeightPush(self.call, timeout)
+        """The trainer's side of update sessions: transfer group, packing buffers, checksums."""
+
+    @classmethod
+    async def connect(
+        cls, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None
+    ) -> "RLClient":
+        """Connect to NATS (url or $RLBUS_NATS_URL; credentials from `auth` or $RLBUS_NATS_*)."""
+        resolved = resolve_url(url)
+        if resolved is None:
+            raise Unavailable("no NATS URL: pass url=... or set RLBUS_NATS_URL")
+        try:
+            nc = await connect(resolved, name="rlbus-trainer", auth=auth)
+        except PermissionError as e:
+            raise PermissionDenied(str(e)) from None
+        except Exception as e:
+            raise Unavailable(f"cannot connect to NATS at {resolved}: {e}") from None
+        return cls(nc, subjects=Subjects(prefix=prefix), timeout=timeout, owns_connection=True)
+
+    async def close(self) -> None:
+        self.push.close()
+        if self._owns:
+            await drain(self.nc)
+
+    async def __aenter__(self) -> "RLClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- transport ---------------------------------------------------------------------
+
+    async def call(self, command: AnyControlCommand, expect: type[T], timeout: float | None = None) -> T:
+        """Send any control command and return its typed reply (the methods below wrap this);
+        a refusal raises the exception for its code. A command without an id gets a fresh one."""
+        op = op_of(command)
+        if not command.command_id:
+            command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex)
+        return await self._ask(self.subjects.control(op), op, encode(command), expect, "the controller", timeout,
+                               hint="start one with `rlbus up` or `rlbus controller`")
+
+    async def _ask(self, subject: str, op: str, payload: bytes, expect: type[T], who: str,
+                   timeout: float | None = None, decoder: Any = None, hint: str = "") -> T:
+        t = timeout or self.timeout
+        try:
+            msg = await request(self.nc, subject, payload, t)
+        except PermissionDenied:
+            raise
+        except Exception as e:  # no responders, timeout, connection closed
+            raise fault_of(e, who=who, op=op, timeout=t, hint=hint).error() from None
+        return expect_reply(msg, op, expect, decoder) if decoder is not None else expect_reply(msg, op, expect)
+
+    # ---- fleet state -------------------------------------------------------------------
+
+    async def server_info(self) -> ServerInfo:
+        """Workers, their states and capabilities (AND-aggregated), the committed version."""
+        return await self.call(GetServerInfo(), ServerInfo)
+
+    async def pause(self, mode: PauseMode = "abort") -> FleetAck:
+        """Pause generation everywhere. abort: end in-flight requests; wait: let them finish;
+        keep: freeze them until resume. Idempotent."""
+        return await self.call(Pause(mode=mode), FleetAck)
+
+    async def resume(self) -> FleetAck:
+        return await self.call(Resume(), FleetAck)
+
+    async def is_paused(self) -> bool:
+        """True when every worker is paused."""
+        ack = await self.call(IsPaused(), FleetAck)
+        return all(w.paused for w in ack.workers)
+
+    async def sleep(self, level: int = 1, tags: Sequence[SleepTag] | None = None) -> FleetAck:
+        """Free engine memory. level 1: weights to host backup + KV cache freed; level 2: weights
+        discarded (push new ones after waking). tags: 'weights', 'kv_cache' (default both)."""
+        return await self.call(Sleep(level=level, tags=list(tags) if tags is not None else None), FleetAck)  # type: ignore[arg-type]
+
+    async def wake_up(self, tags: Sequence[SleepTag] | None = None) -> FleetAck:
+        return await self.call(WakeUp(tags=list(tags) if tags is not None else None), FleetAck)
+
+    async def is_sleeping(self) -> bool:
+        """True while any worker has any part asleep."""
+        ack = await self.call(IsSleeping(), FleetAck)
+        return any(w.sleeping_tags for w in ack.workers)
+
+    # ---- update sessions (the trainer's side lives in self.push) ----------------------
+
+    @property
+    def transfer_ready(self) -> bool:
+        """True once init_weight_transfer() built a group that has not been torn down."""
+        return self.push.ready
+
+    async def init_weight_transfer(
+        self, backend: Backend | None = None, *, master_addr: str | None = None, timeout_s: float = 60.0
+    ) -> FleetAck:
+        """Open the trainer's side of a transfer group (rank 0) while every worker joins it.
+
+        backend: None = the backend every worker reports. master_addr: this host as workers
+        reach it (default $RLBUS_MASTER_ADDR or 127.0.0.1). Collectives time out after timeout_s.
+        """
+        return await self.push.init_transfer(await self.server_info(), backend, master_addr, timeout_s)
+
+    async def start_weight_update(self) -> FleetAck:
+        """Open an update session for the main model on every worker."""
+        return await self.push.start("main")
+
+    async def start_draft_weight_update(self) -> FleetAck:
+        """Open an update session whose target is the draft (speculative decoding) model."""
+        return await self.push.start("draft")
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], *, bucket_bytes: int | None = None
+    ) -> FleetAck:
+        """Send tensors to every worker: metadata through the controller (every worker checks
+        names, dtypes and shapes first), then the bytes out-of-band in checksummed buckets,
+        each packed and hashed while the one before it is on the wire."""
+        return await self.push.update(named_tensors, bucket_bytes)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> FleetAck:
+        """Commit on every worker (two-phase) and publish the version; None keeps the version string.
+
+        Carries the checksum of every bucket this client sent in the session, which each
+        worker verifies before it reports ready: finish from the client that sent the bytes."""
+        return await self.push.finish(weight_version)
+
+    async def abort_weight_update(self, reason: str = "") -> FleetAck:
+        """Drop the open session everywhere; old weights and version stay."""
+        return await self.push.abort(reason)
+
+    async def update_weight_version(self, new_version: str) -> FleetAck:
+        """Set the version string without a transfer (refused while a session is open)."""
+        return await self.call(UpdateWeightVersion(new_version=new_version), FleetAck)
+
+    async def get_weight_version(self) -> str:
+        """The version every worker holds; an error naming who disagrees otherwise."""
+        return (await self.call(GetWeightVersion(), VersionInfo)).version
+
+    def watch_versions(self) -> AsyncIterator[VersionInfo]:
+        """Yield the committed version first, then each new one. Backed by JetStream KV, so
+        a subscriber that was disconnected, even while it was still subscribing, still ends
+        on the current version."""
+        return watch_versions(self.nc, self.subjects)
+
+    async def push_weights(
+        self,
+        named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+        version: str | None = None,
+        *,
+        pause_mode: PauseMode = "wait",
+        draft: bool = False,
+        bucket_bytes: int | None = None,
+    ) -> FleetAck:
+        """pause -> start -> update -> finish -> resume. Any failure aborts the session
+        everywhere (old weights and version stay) and re-raises; the fleet is resumed."""
+        paused = await self.pause(pause_mode)
+        try:
+            fleet = [w.worker_id for w in paused.workers]
+            if not self.push.ready or fleet != self.push.group or not all(w.transfer_ready for w in paused.workers):
+                await self.init_weight_transfer()  # no group yet, or the fleet changed since
+            await self.push.start("draft" if draft else "main")
+            try:
+                await self.push.update(named_tensors, bucket_bytes)
+                return await self.push.finish(version)
+            except BaseException as e:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.push.abort(f"push failed: {e}")
+                    except RLBusError as abort_error:
+                        log.warning("abort after a failed push also failed: %s", abort_error)
+                    info = await self._safe_server_info()
+                    if info is not None and not all(w.state.transfer_ready for w in info.workers):
+                        self.push.close()  # a worker left the group: rebuild it next time
+                raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.resume()
+
+    async def _safe_server_info(self) -> ServerInfo | None:
+        try:
+            return await self.server_info()
+        except RLBusError:
+            return None
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int = 16,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        return_logprobs: bool = False,
+        timeout: float | None = None,
+    ) -> GenerateReply:
+        """Generate on one worker (NATS queue group picks it). The reply names the weight version used."""
+        req = GenerateRequest(
+            prompt_tokens=list(prompt_tokens), max_tokens=max_tokens, temperature=temperature, seed=seed, return_logprobs=return_logprobs
+        )
+        return await self._ask(self.subjects.generate, "generate", encode(req), GenerateReply, "a worker serving generation",
+                               timeout, generate_reply_decoder)
+
+
+class SyncRLClient:
+    """RLClient for trainers without an event loop: same methods, blocking.
+
+    The NATS connection lives on a private event loop in a background thread.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None
+    ) -> None:
+        self._portal_cm = start_blocking_portal()
+        self._portal: BlockingPortal = self._portal_cm.__enter__()
+        try:
+            self._client: RLClient = self._portal.call(
+                lambda: RLClient.connect(url, prefix=prefix, timeout=timeout, auth=auth)
+            )
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    @classmethod
+    def connect(cls, url: str | None = None, **kw: Any) -> "SyncRLClient":
+        return cls(url, **kw)
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._client.close)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> "SyncRLClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def watch_versions(self) -> Iterator[VersionInfo]:
+        """Blocking form of RLClient.watch_versions()."""
+        agen = self._client.watch_versions()
+        try:
+            while True:
+                try:
+                    yield self._portal.call(agen.__anext__)
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._portal.call(agen.aclose)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._portal.call(lambda: attr(*args, **kwargs))
+
+        call.__name__ = name
+        call.__doc__ = attr.__doc__
+        return call

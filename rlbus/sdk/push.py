@@ -1,0 +1,216 @@
+"""The trainer's side of an update session: WeightPush owns the transfer group (rank 0), the
+workers it was built for, the two packing buffers and the checksums of the open session.
+RLClient (client.py) delegates its update calls here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Awaitable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import anyio
+import msgspec
+
+from rlbus.schemas import (
+    AbortWeightUpdate,
+    Aborted,
+    AnyControlCommand,
+    Backend,
+    DeadlineExceeded,
+    FailedPrecondition,
+    FinishWeightUpdate,
+    FleetAck,
+    InitWeightTransfer,
+    ParamMeta,
+    RLBusError,
+    ServerInfo,
+    StartWeightUpdate,
+    TransferInit,
+    Unavailable,
+    UpdateTarget,
+    UpdateWeights,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlbus.transfer.base import TrainerTransfer
+
+log = logging.getLogger("rlbus.sdk.push")
+T = TypeVar("T")
+
+# Buckets sized to the transport: gloo pipelines best around 16 MiB; shm pays store round
+# trips per bucket and copies straight out of the pool, so larger buckets win (bench/transfer.py,
+# vs memcpy: 16 MiB 0.5-0.8x with one receiver; 64 MiB ~0.95x with one, 0.6-0.75x with two;
+# 128 MiB 0.8-0.97x with one, 0.76-0.88x with two); nccl amortises its launches.
+BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 128 << 20, "nccl": 256 << 20}
+
+# NATS' default max_payload is 1 MiB; metadata messages are split well below it.
+MAX_META_BYTES = 512 * 1024
+
+
+class Call(Protocol):
+    """RLClient's request to the controller: a typed reply or the exception for its code."""
+
+    def __call__(self, command: AnyControlCommand, expect: type[T], timeout: float | None = None) -> Awaitable[T]: ...
+
+
+class WeightPush:
+    """One per client. Not safe for two sessions at once: the controller refuses a second one."""
+
+    def __init__(self, call: Call, timeout: float) -> None:
+        self._call = call
+        self._timeout = timeout
+        self.transfer: TrainerTransfer | None = None
+        """The trainer's side of the group (rank 0); None until init_weight_transfer()."""
+        self.init: TransferInit | None = None
+        self.group: list[str] = []
+        """Worker ids (rank order) the group was built for."""
+        self.scratch: list[torch.Tensor] = []
+        """The two packing buffers, reused every step (over shm: the transport's shared memory)."""
+        self._scratch_of: object = None
+        self.checksums: list[str] = []
+        """Every bucket sent in the open session, in order: what finish carries to the workers."""
+        self.bucket_bytes: int | None = None
+        """Bucket size (None: sized to the transport, see BUCKET_BYTES)."""
+
+    @property
+    def ready(self) -> bool:
+        """True once a group was built and not torn down since."""
+        return self.transfer is not None
+
+    def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
+        self.transfer = self.init = None
+        self.scratch, self._scratch_of = [], None
+
+    async def init_transfer(
+        self, info: ServerInfo, backend: Backend | None, master_addr: str | None, timeout_s: float
+    ) -> FleetAck:
+        """Open rank 0 of a new group while every worker in `info` joins it."""
+        from rlbus.transfer.base import TransferError
+        from rlbus.transfer.factory import trainer_transfer
+
+        master_addr = master_addr or os.environ.get("RLBUS_MASTER_ADDR", "127.0.0.1")
+        chosen = backend or info.capabilities.weight_transfer_backend
+        backends = {w.worker_id: w.capabilities.weight_transfer_backend for w in info.workers}
+        if not info.workers:
+            raise Unavailable("no workers are registered")
+        if chosen is None or any(b != chosen for b in backends.values()):
+            # refuse here, before a rendezvous thread would wait for ranks that never come
+            raise FailedPrecondition(f"workers have no common weight transfer backend {chosen or ''}: {backends}")
+        if info.session_id:
+            raise FailedPrecondition(f"session {info.session_id} is open; finish or abort it first")
+        self.close()
+        tx = trainer_transfer(chosen)
+        init = tx.bind(
+            TransferInit(
+                backend=chosen, master_addr=master_addr, master_port=0, world_size=len(info.workers) + 1,
+                rank_offset=1, group_name=f"rlbus-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s,
+            )
+        )
+        opened = anyio.Event()
+        failure: list[BaseException] = []
+
+        async def open_side() -> None:
+            try:
+                await anyio.to_thread.run_sync(tx.open, init, abandon_on_cancel=True)
+            except BaseException as e:  # noqa: BLE001
+                failure.append(e)
+            opened.set()
+
+        refused: list[RLBusError] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(open_side)
+                try:
+                    ack = await self._call(
+                        InitWeightTransfer(backend=chosen, init_info=init), FleetAck, timeout=max(self._timeout, timeout_s + 10)
+                    )
+                except RLBusError as e:
+                    refused.append(e)
+                    tg.cancel_scope.cancel()  # the open side would only time out
+                else:
+                    await opened.wait()
+        except BaseException:
+            tx.close()
+            raise
+        if refused:
+            tx.close()
+            raise refused[0]
+        if failure:
+            tx.close()
+            e = failure[0]
+            if isinstance(e, TransferError):
+                raise DeadlineExceeded(f"weight-transfer group did not form: {e}") from None
+            raise e
+        self.transfer, self.init = tx, init
+        self.group = [w.worker_id for w in ack.workers]
+        return ack
+
+    async def start(self, target: UpdateTarget) -> FleetAck:
+        ack = await self._call(StartWeightUpdate(target=target), FleetAck)
+        self.checksums = []
+        return ack
+
+    async def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int | None) -> FleetAck:
+        """Metadata through the controller (every worker checks names, dtypes and shapes
+        first), then the bytes out-of-band in checksummed buckets, each packed and hashed
+        while the one before it is on the wire."""
+        from rlbus.transfer.base import TransferError
+        from rlbus.transfer.stream import packs_every_bucket, prepare, scratch_bytes, scratch_pair, send_stream
+
+        tx = self.transfer
+        if tx is None:
+            raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
+        # GPU tensors stay where they are: each is copied to the host as its bucket is packed,
+        # overlapping the wire, and the host never holds more than the two scratch buckets.
+        named = [(n, t.detach()) for n, t in named_tensors]
+        size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self.init.backend if self.init else "gloo"]
+        plan = prepare(named, size)
+        # A transport that shares the trainer's memory (shm) hands out the scratch buffers
+        # itself: every bucket is packed there and workers copy straight out of it.
+        every = packs_every_bucket(tx)
+        need = scratch_bytes(plan, named, pack_every_bucket=every)
+        if self._scratch_of is not tx or min((b.numel() for b in self.scratch), default=-1) < need:
+            self.scratch, self._scratch_of = scratch_pair(tx, need), tx
+        ack: FleetAck | None = None
+        for first, last in meta_chunks(plan.per_bucket):
+            params = [msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in plan.per_bucket[k]]
+            buckets = [msgspec.structs.replace(b, index=b.index - first) for b in plan.buckets[first:last]]
+            ack = await self._call(UpdateWeights(params=params, buckets=buckets), FleetAck)
+            try:
+                self.checksums += await anyio.to_thread.run_sync(
+                    lambda: send_stream(tx, plan, named, first=first, last=last, scratch=self.scratch, pack_every_bucket=every),
+                    abandon_on_cancel=True,
+                )
+            except TransferError as e:
+                self.close()
+                raise Aborted(f"sending weights failed ({e}); abort the session and init_weight_transfer() again") from None
+        if ack is None:  # nothing to send: still tell the controller (an empty update)
+            ack = await self._call(UpdateWeights(params=[], buckets=[]), FleetAck)
+        return ack
+
+    async def finish(self, weight_version: str | None) -> FleetAck:
+        return await self._call(FinishWeightUpdate(weight_version=weight_version, checksums=self.checksums), FleetAck)
+
+    async def abort(self, reason: str) -> FleetAck:
+        ack = await self._call(AbortWeightUpdate(reason=reason), FleetAck)
+        self.checksums = []
+        return ack
+
+
+def meta_chunks(per_bucket: list[list[ParamMeta]]) -> Iterator[tuple[int, int]]:
+    """Consecutive bucket ranges whose metadata stays under the message size limit."""
+    first, size = 0, 0
+    for k, metas in enumerate(per_bucket):
+        cost = 200 + sum(120 + len(m.name) + 12 * len(m.shape) for m in metas)
+        if k > first and size + cost > MAX_META_BYTES:
+            yield first, k
+            first, size = k, 0
+        size += cost
+    if per_bucket:
+        yield first, len(per_bucket)

@@ -1,0 +1,118 @@
+"""Control commands: trainer -> controller, one op per subject (`rl.control.<op>`).
+
+Each command's tag is its op, so the subject's last token and the payload agree. Only what
+a trainer decides is here; what the controller adds for its workers (ranks, session ids,
+epochs) lives on the worker commands (worker_commands.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from .base import Message
+from .state import Backend, PauseMode, SleepTag, UpdateTarget
+from .tensors import BucketMeta, ParamMeta, TransferInit
+
+
+class ControlCommand(Message, frozen=True, kw_only=True):
+    """Fields every control command carries."""
+
+    command_id: str = ""
+    """Set by the sender; a retried command with the same id runs once."""
+
+
+class Pause(ControlCommand, frozen=True, kw_only=True, tag="pause"):
+    mode: PauseMode = "abort"
+    """abort: in-flight requests end now (status aborted); wait: they finish;
+    keep: they freeze and continue on resume. New requests wait for resume in every mode."""
+
+
+class Resume(ControlCommand, frozen=True, kw_only=True, tag="resume"):
+    pass
+
+
+class IsPaused(ControlCommand, frozen=True, kw_only=True, tag="is_paused"):
+    pass
+
+
+class Sleep(ControlCommand, frozen=True, kw_only=True, tag="sleep"):
+    level: Literal[1, 2] = 1
+    """1: weights to a host backup, KV cache freed. 2: weights discarded, buffers saved."""
+    tags: list[SleepTag] | None = None
+    """Parts to put to sleep; None = all."""
+
+
+class WakeUp(ControlCommand, frozen=True, kw_only=True, tag="wake_up"):
+    tags: list[SleepTag] | None = None
+    """Parts to wake; None = all."""
+
+
+class IsSleeping(ControlCommand, frozen=True, kw_only=True, tag="is_sleeping"):
+    pass
+
+
+class GetServerInfo(ControlCommand, frozen=True, kw_only=True, tag="server_info"):
+    pass
+
+
+class InitWeightTransfer(ControlCommand, frozen=True, kw_only=True, tag="init_weight_transfer"):
+    init_info: TransferInit
+    """The rendezvous the trainer opened (rank 0)."""
+    backend: Backend | None = None
+    """None = the backend every worker reports."""
+
+
+class StartWeightUpdate(ControlCommand, frozen=True, kw_only=True, tag="start_weight_update"):
+    """Open an update session. The one way to start one: target="draft" updates the
+    speculative-decoding draft (the SDK's start_draft_weight_update sends this)."""
+
+    target: UpdateTarget = "main"
+
+
+class UpdateWeights(ControlCommand, frozen=True, kw_only=True, tag="update_weights"):
+    params: list[ParamMeta] = []
+    buckets: list[BucketMeta] = []
+    session_id: str | None = None
+    """None = the open session; a named one must be it."""
+
+
+class FinishWeightUpdate(ControlCommand, frozen=True, kw_only=True, tag="finish_weight_update"):
+    weight_version: str | None = None
+    """None = commit without changing the version string."""
+    session_id: str | None = None
+    """None = the open session; a named one must be it."""
+    checksums: list[str] = []
+    """Every bucket sent in this session, in order: its xxh3-128 (32 hex digits), computed
+    by the trainer as the bucket left. The SDK fills it in."""
+
+
+class AbortWeightUpdate(ControlCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
+    session_id: str | None = None
+    """None = the open session; a named one must be it."""
+    reason: str = ""
+
+
+class UpdateWeightVersion(ControlCommand, frozen=True, kw_only=True, tag="update_weight_version"):
+    new_version: str
+
+
+class GetWeightVersion(ControlCommand, frozen=True, kw_only=True, tag="get_weight_version"):
+    pass
+
+
+AnyControlCommand = Union[
+    Pause,
+    Resume,
+    IsPaused,
+    Sleep,
+    WakeUp,
+    IsSleeping,
+    GetServerInfo,
+    InitWeightTransfer,
+    StartWeightUpdate,
+    UpdateWeights,
+    FinishWeightUpdate,
+    AbortWeightUpdate,
+    UpdateWeightVersion,
+    GetWeightVersion,
+]

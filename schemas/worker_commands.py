@@ -1,0 +1,115 @@
+"""Worker commands: controller -> one worker on `rl.worker.<id>.<op>`.
+
+Every worker command carries the epoch of the controller that sent it (fencing) and a
+command id of its fan-out (a redelivered command runs once). Each tag is its op.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from .base import Message
+from .state import PauseMode, SleepTag, UpdateTarget
+from .tensors import BucketMeta, ParamMeta, TransferInit
+
+
+class WorkerCommand(Message, frozen=True, kw_only=True):
+    """Fields every worker command carries."""
+
+    epoch: int
+    """The epoch of the controller that sent it; a worker refuses an older one."""
+    command_id: str
+    """One per fan-out; a retried command with the same id runs once."""
+
+
+class PauseWorker(WorkerCommand, frozen=True, kw_only=True, tag="pause"):
+    mode: PauseMode
+
+
+class ResumeWorker(WorkerCommand, frozen=True, kw_only=True, tag="resume"):
+    pass
+
+
+class SleepWorker(WorkerCommand, frozen=True, kw_only=True, tag="sleep"):
+    level: Literal[1, 2]
+    tags: list[SleepTag] | None = None
+    """None = all."""
+
+
+class WakeWorker(WorkerCommand, frozen=True, kw_only=True, tag="wake_up"):
+    tags: list[SleepTag] | None = None
+    """None = all."""
+
+
+class GetStatus(WorkerCommand, frozen=True, kw_only=True, tag="status"):
+    """Report state (no change)."""
+
+
+class JoinTransfer(WorkerCommand, frozen=True, kw_only=True, tag="init_weight_transfer"):
+    init_info: TransferInit
+    """The trainer's rendezvous."""
+    rank: int
+    """This worker's rank in the group."""
+
+
+class OpenSession(WorkerCommand, frozen=True, kw_only=True, tag="start_weight_update"):
+    session_id: str
+    target: UpdateTarget
+
+
+class ReceiveWeights(WorkerCommand, frozen=True, kw_only=True, tag="update_weights"):
+    session_id: str
+    params: list[ParamMeta]
+    buckets: list[BucketMeta]
+    check_only: bool = False
+    """Check names, dtypes and shapes only; start no receive."""
+
+
+class PrepareCommit(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
+    """Phase 1 of finish: report staged and verified."""
+
+    session_id: str
+    checksums: list[str] = []
+    """The trainer's checksums (FinishWeightUpdate.checksums) to verify the received buckets against."""
+
+
+class Commit(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
+    """Phase 2 of finish: apply staged weights, take the version."""
+
+    session_id: str
+    weight_version: str | None = None
+    """None = keep the version string."""
+
+
+class AbortSession(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
+    session_id: str
+    """The session to drop; empty = whichever is open."""
+    reason: str = ""
+
+
+class SetVersion(WorkerCommand, frozen=True, kw_only=True, tag="update_weight_version"):
+    new_version: str
+
+
+class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
+    """After the worker's handshake: the committed version. A worker on an older one is
+    stale: it takes no rl.generate traffic until it has received current weights."""
+
+    committed_version: str
+
+
+AnyWorkerCommand = Union[
+    PauseWorker,
+    ResumeWorker,
+    SleepWorker,
+    WakeWorker,
+    GetStatus,
+    JoinTransfer,
+    OpenSession,
+    ReceiveWeights,
+    PrepareCommit,
+    Commit,
+    AbortSession,
+    SetVersion,
+    Sync,
+]

@@ -1,0 +1,101 @@
+"""The fleet as the controller addresses it: the registry, this controller's epoch, the one
+lock for state changes, fan-out stamped with the epoch, fleet events and the FleetAck builder.
+The service (service.py) and the update handlers (updates.py) are both built on it."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import anyio
+from nats.aio.client import Client
+
+from rlbus.schemas import (
+    AnyWorkerCommand,
+    EventKind,
+    FleetAck,
+    FleetEvent,
+    Subjects,
+    Unavailable,
+    encode,
+)
+
+from .fanout import Outcome, fan_out
+from .registry import Registry
+
+log = logging.getLogger("rlbus.controller")
+
+Unstamped = Callable[[str, int, str], AnyWorkerCommand]
+"""Builds the command for (worker_id, epoch, command_id): the fleet stamps every command it
+sends with its epoch (fencing) and one fresh id per fan-out."""
+
+
+class Fleet:
+    def __init__(self, nc: Client, subjects: Subjects, registry: Registry, command_timeout_s: float) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.registry = registry
+        self.command_timeout_s = command_timeout_s
+        """Deadline of one fan-out (every worker must answer within it)."""
+        self.epoch = 0
+        """This controller's epoch (taken from KV when it became leader); stamps every command."""
+        self.lock = anyio.Lock()
+        """One state-changing operation at a time; reads never take it."""
+        self.on_lost: Callable[[str, str], Awaitable[None]] = _nobody_listens
+        """Called with (worker_id, why) when a fan-out finds a worker gone."""
+
+    def ids(self) -> list[str]:
+        """Every registered worker in rank order; UNAVAILABLE when there are none."""
+        ids = self.registry.ids()
+        if not ids:
+            raise Unavailable("no workers are registered; start workers (rlbus worker) and retry")
+        return ids
+
+    async def send(self, build: Unstamped, workers: list[str] | None = None, timeout: float | None = None) -> Outcome:
+        """The command `build` makes for each worker, to every worker at once, under one
+        deadline. One fresh command id per fan-out: the trainer's id dedups at the
+        controller, this one at the workers."""
+        workers = self.ids() if workers is None else workers
+        command_id = uuid.uuid4().hex
+        out = await fan_out(
+            self.nc, self.subjects, workers, lambda w: build(w, self.epoch, command_id), timeout or self.command_timeout_s
+        )
+        for state in out.acks.values():
+            self.registry.seen(state)
+        for f in out.failures:
+            if f.code == "UNAVAILABLE":
+                await self.on_lost(f.worker_id, f.message)
+        return out
+
+    async def send_all(self, build: Unstamped, what: str) -> Outcome:
+        """send() to every worker; raise the error naming each one that failed."""
+        out = await self.send(build)
+        out.raise_for_failures(what)
+        return out
+
+    def ack(self, out: Outcome, *, session_id: str | None, weight_version: str) -> FleetAck:
+        """What every worker answered, in rank order, with the fleet's session and version."""
+        return FleetAck(
+            workers=[out.acks[w] for w in sorted(out.acks)],
+            session_id=session_id,
+            weight_version=weight_version,
+            epoch=self.epoch,
+        )
+
+    async def event(self, kind: EventKind, workers: list[str], detail: str = "", session_id: str | None = None) -> None:
+        ev = FleetEvent(event=kind, epoch=self.epoch, workers=workers, detail=detail, session_id=session_id, time=time.time())
+        try:
+            await self.nc.publish(self.subjects.event(kind), encode(ev))
+        except Exception as e:  # events are best effort; state lives in KV and replies
+            log.debug("event %s not published: %s", kind, e)
+
+
+def stamped(command: type[AnyWorkerCommand], **fields: object) -> Unstamped:
+    """A builder for one command the same for every worker (but its stamp)."""
+    return lambda _w, epoch, command_id: command(epoch=epoch, command_id=command_id, **fields)  # type: ignore[arg-type]
+
+
+async def _nobody_listens(worker_id: str, why: str) -> None:
+    return None

@@ -1,0 +1,283 @@
+"""The controller's update sessions: transfer groups, sessions, the two-phase finish and the
+committed version. `Updates` owns the session state, the committed version and its durable
+record; it sends through the Fleet (fleet.py) under the fleet's one lock."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+
+from rlbus.schemas import (
+    DEFAULT_VERSION,
+    AbortSession,
+    AbortWeightUpdate,
+    Commit,
+    FailedPrecondition,
+    FinishWeightUpdate,
+    FleetAck,
+    GetStatus,
+    GetWeightVersion,
+    InitWeightTransfer,
+    InvalidArgument,
+    JoinTransfer,
+    OpenSession,
+    PrepareCommit,
+    ReceiveWeights,
+    SetVersion,
+    StartWeightUpdate,
+    UpdateWeights,
+    UpdateWeightVersion,
+    VersionInfo,
+    checksums_problem,
+    encode,
+    error_for,
+    version_problem,
+)
+from rlbus.services.endpoints import Routes
+
+from . import session as S
+from .fanout import Outcome
+from .fleet import Fleet, stamped
+from .store import StateStore
+
+
+class Updates:
+    def __init__(self, fleet: Fleet, store: StateStore, version: VersionInfo | None = None) -> None:
+        self.fleet = fleet
+        self.store = store
+        self.version = version or VersionInfo(version=DEFAULT_VERSION)
+        """The committed version (KV holds it durably)."""
+        self.session: S.SessionState = S.Idle()
+        self._kv_session: str | None = None
+        """The open session KV records."""
+
+    def routes(self, r: Routes) -> None:
+        r.add(InitWeightTransfer, self.init_weight_transfer)
+        r.add(StartWeightUpdate, self.start_weight_update)
+        r.add(UpdateWeights, self.update_weights)
+        r.add(FinishWeightUpdate, self.finish_weight_update)
+        r.add(AbortWeightUpdate, self.abort_weight_update)
+        r.add(UpdateWeightVersion, self.update_weight_version)
+        r.add(GetWeightVersion, self.get_weight_version)
+
+    @property
+    def session_id(self) -> str | None:
+        return getattr(self.session, "session_id", None)
+
+    def ack(self, out: Outcome) -> FleetAck:
+        return self.fleet.ack(out, session_id=self.session_id, weight_version=self.version.version)
+
+    # ---- the session state machine ---------------------------------------------------
+
+    def _advance(self, event: S.Event) -> S.Step:
+        """Apply a session event; raise the refusal if the state machine refuses it."""
+        out = S.step(self.session, event)
+        if out.refusal is not None:
+            raise error_for(out.refusal.code, out.refusal.message)
+        return out
+
+    async def _settle(self, state: S.SessionState) -> None:
+        """Move to `state` and keep KV's record of the open session in step with it. Compared
+        with what KV holds, not with the previous in-memory state: finish and its failure
+        paths step through Committing/Failed in memory before settling here."""
+        self.session = state
+        sid = self.session_id
+        if sid != self._kv_session:
+            await self.store.put_session(sid)
+            self._kv_session = sid
+
+    async def weights_sleep(self) -> None:
+        """Weights are going to sleep (the caller holds the lock): no session survives that."""
+        self._advance(S.SleepWeights())
+        await self._settle(S.Idle())
+
+    async def _abort_everywhere(self, reason: str, workers: list[str] | None = None) -> None:
+        sid = self.session_id or ""
+        ids = self.fleet.registry.ids() if workers is None else workers
+        if ids:
+            await self.fleet.send(stamped(AbortSession, session_id=sid, reason=reason), ids)
+        await self._settle(S.Idle())
+        await self.fleet.event("session_aborted", ids, reason, session_id=sid or None)
+
+    async def abort_on_loss(self, worker_id: str) -> None:
+        async with self.fleet.lock:
+            if isinstance(self.session, S.Open):  # Committing is resolved by finish itself
+                self._advance(S.WorkerLost(worker_id))
+                await self._abort_everywhere(f"worker {worker_id} left during the session")
+
+    async def abort_orphan(self, worker_id: str, session_id: str) -> None:
+        """Drop a session a worker holds that this controller does not (from before a restart)."""
+        async with self.fleet.lock:
+            if session_id != self.session_id:
+                await self.fleet.send(stamped(AbortSession, session_id=session_id, reason="orphaned session"), [worker_id])
+
+    # ---- handlers ----------------------------------------------------------------------
+
+    async def init_weight_transfer(self, cmd: InitWeightTransfer) -> FleetAck:
+        init = cmd.init_info
+        registry = self.fleet.registry
+        async with self.fleet.lock:
+            if not isinstance(self.session, S.Idle):
+                raise FailedPrecondition(f"session {self.session_id} is open; finish or abort it first")
+            workers = self.fleet.ids()
+            backends = {w: registry.capabilities(w).weight_transfer_backend for w in workers}
+            missing = [w for w, b in backends.items() if b is None]
+            if missing:
+                raise FailedPrecondition(f"workers {missing} have no weight transfer backend; start them with --weight-transfer-backend")
+            if len(set(backends.values())) > 1:
+                raise FailedPrecondition(f"workers disagree on the transfer backend: {backends}")
+            fleet_backend = next(iter(backends.values()))
+            wanted = cmd.backend or init.backend
+            if wanted != fleet_backend or init.backend != fleet_backend:
+                raise FailedPrecondition(f"the fleet's backend is {fleet_backend}, not {wanted}")
+            if init.world_size != len(workers) + init.rank_offset:
+                raise FailedPrecondition(
+                    f"world_size {init.world_size} does not match the fleet: {len(workers)} workers + "
+                    f"rank_offset {init.rank_offset}; read server_info() again and retry"
+                )
+            ranks = {w: init.rank_offset + i for i, w in enumerate(workers)}
+            timeout = max(self.fleet.command_timeout_s, init.timeout_s + 5)
+            out = await self.fleet.send(
+                lambda w, epoch, cid: JoinTransfer(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]), workers, timeout=timeout
+            )
+            out.raise_for_failures("init_weight_transfer")
+            return self.ack(out)
+
+    async def start_weight_update(self, cmd: StartWeightUpdate) -> FleetAck:
+        target = cmd.target
+        registry = self.fleet.registry
+        async with self.fleet.lock:
+            workers = self.fleet.ids()
+            if target == "draft" and not registry.aggregate().supports_draft_weight_updates:
+                lacking = [w for w in workers if not registry.capabilities(w).supports_draft_weight_updates]
+                raise FailedPrecondition(
+                    f"workers {lacking} cannot update a draft model (no draft, speculation off, or the backend does not support it)"
+                )
+            asleep = [w for w in workers if "weights" in registry.state(w).sleeping_tags]
+            if asleep:
+                raise FailedPrecondition(
+                    f"weights are asleep on {asleep}; call wake_up(tags=['weights']) first "
+                    "(after a level-2 sleep: wake weights -> update -> wake kv_cache)"
+                )
+            sid = uuid.uuid4().hex[:16]
+            step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
+            out = await self.fleet.send(stamped(OpenSession, target=target, session_id=sid), workers)
+            if not out.ok:
+                await self.fleet.send(stamped(AbortSession, session_id=sid, reason="start failed"), list(out.acks))
+                out.raise_for_failures(f"start_weight_update({target})")
+            await self._settle(step.state)
+        await self.fleet.event("session_started", workers, target, session_id=sid)
+        return self.ack(out)
+
+    async def update_weights(self, cmd: UpdateWeights) -> FleetAck:
+        async with self.fleet.lock:
+            step = self._advance(S.Update(session_id=cmd.session_id or None))
+            sid = self.session_id or ""
+            workers = self.fleet.ids()
+
+            def receive(check_only: bool):  # noqa: ANN202
+                return stamped(ReceiveWeights, session_id=sid, params=cmd.params, buckets=cmd.buckets, check_only=check_only)
+
+            # every worker checks names, dtypes and shapes before any byte moves
+            check = await self.fleet.send(receive(True), workers)
+            check.raise_for_failures("update_weights (metadata check)")
+            out = await self.fleet.send(receive(False), workers)
+            if not out.ok:
+                err = out.error("update_weights")
+                self._advance(S.Failed(reason=str(err)))
+                await self._abort_everywhere(err.message)
+                raise err
+            await self._settle(step.state)
+            return self.ack(out)
+
+    async def finish_weight_update(self, cmd: FinishWeightUpdate) -> FleetAck:
+        if cmd.weight_version is not None and (problem := version_problem(cmd.weight_version)):
+            raise InvalidArgument(problem)
+        if problem := checksums_problem(cmd.checksums):
+            raise InvalidArgument(problem)
+        async with self.fleet.lock:
+            committing = self._advance(S.Finish(version=cmd.weight_version, session_id=cmd.session_id or None)).state
+            if not isinstance(committing, S.Committing):
+                raise error_for("INTERNAL", f"finish stepped to {type(committing).__name__}, not Committing")
+            self.session = committing
+            sid = committing.session_id
+            workers = self.fleet.ids()
+            prepared = await self.fleet.send(stamped(PrepareCommit, session_id=sid, checksums=cmd.checksums), workers)
+            if not prepared.ok:
+                err = prepared.error("finish_weight_update (prepare)")
+                self.session = S.Open(sid, committing.target, committing.epoch)
+                self._advance(S.Failed(reason=err.message))
+                await self._abort_everywhere(err.message)
+                raise err
+            committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=cmd.weight_version), workers)
+            if not committed.ok:
+                # prepared workers that did commit keep the new weights; the durable version stays
+                err = committed.error("finish_weight_update (commit)")
+                self.session = self._advance(S.Failed(reason=err.message)).state
+                await self._abort_everywhere(err.message, [f.worker_id for f in committed.failures])
+                raise err
+            self.session = self._advance(S.Committed()).state
+            if committing.target == "main":
+                new = msgspec.structs.replace(
+                    self.version, version=cmd.weight_version or self.version.version,
+                    epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
+                )
+            else:
+                new = msgspec.structs.replace(
+                    self.version, draft_version=cmd.weight_version or self.version.draft_version,
+                    epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
+                )
+            await self._commit_version(new)
+            await self._settle(S.Idle())
+        await self.fleet.event("session_committed", workers, new.version, session_id=sid)
+        return self.ack(committed)
+
+    async def _commit_version(self, info: VersionInfo) -> None:
+        """Durable first (KV), then the event: a subscriber never sees a version KV lacks."""
+        await self.store.put_version(info)
+        self.version = info
+        await self.fleet.nc.publish(self.fleet.subjects.version, encode(info))
+
+    async def abort_weight_update(self, cmd: AbortWeightUpdate) -> FleetAck:
+        reason = cmd.reason or "aborted by the trainer"
+        async with self.fleet.lock:
+            sid = self.session_id
+            self._advance(S.Abort(session_id=cmd.session_id or None))
+            workers = self.fleet.ids()
+            out = await self.fleet.send(stamped(AbortSession, session_id=sid or "", reason=reason), workers)
+            await self._settle(S.Idle())
+        if sid:
+            await self.fleet.event("session_aborted", workers, reason, session_id=sid)
+        return self.ack(out)
+
+    async def update_weight_version(self, cmd: UpdateWeightVersion) -> FleetAck:
+        if problem := version_problem(cmd.new_version):
+            raise InvalidArgument(problem)
+        async with self.fleet.lock:
+            self._advance(S.SetVersion())
+            workers = self.fleet.ids()
+            out = await self.fleet.send(stamped(SetVersion, new_version=cmd.new_version), workers)
+            out.raise_for_failures("update_weight_version")
+            await self._commit_version(
+                msgspec.structs.replace(
+                    self.version, version=cmd.new_version, epoch=self.fleet.epoch, session_id=None,
+                    workers=len(workers), time=time.time(),
+                )
+            )
+            return self.ack(out)
+
+    async def get_weight_version(self, cmd: GetWeightVersion) -> VersionInfo:
+        out = await self.fleet.send(stamped(GetStatus))
+        out.raise_for_failures("get_weight_version")
+        seen = {w: st.weight_version for w, st in out.acks.items()}
+        if len(set(seen.values())) != 1:
+            groups: dict[str, list[str]] = {}
+            for w, v in sorted(seen.items()):
+                groups.setdefault(v, []).append(w)
+            raise FailedPrecondition(
+                "workers disagree on the weight version: " + "; ".join(f"{v}: {ws}" for v, ws in groups.items())
+                + f" (committed: {self.version.version}); push weights again to bring them in step"
+            )
+        return msgspec.structs.replace(self.version, version=next(iter(seen.values())), workers=len(seen))
