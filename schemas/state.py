@@ -68,9 +68,9 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     """The open weight-update session, if any."""
     transfer_ready: bool = False
     """The worker has joined a weight-transfer group."""
-    stale: bool = False
-    """Joined on an older version than the committed one: takes no rl.generate traffic
-    until it has received current weights."""
+    withheld: bool = False
+    """Withheld from rl.generate: it joined on an older version than the committed one and
+    takes no generation traffic until it has received current weights."""
     draft_stale: bool = False
     """The verifier was updated after the draft last was (speculation acceptance drops)."""
     spec_proposed: int = 0
@@ -97,5 +97,5 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Stable order of the worker in the fleet (weight-transfer rank = rank_offset + rank)."""
     last_seen_s: float = 0.0
     """Seconds since the controller last heard from the worker."""
-    stale: bool = False
-    """Registered on a version older than the committed one."""
+    behind: bool = False
+    """Holds a version other than the committed one (the controller's view of its last report)."""

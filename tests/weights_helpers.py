@@ -189,7 +189,7 @@ async def check_push_weights_is_bit_identical(fleet: LocalFleet, rl: RLClient, s
     info = await rl.server_info()
     assert info.weight_version == version and info.session_id is None
     await assert_no_session_recorded(fleet)
-    assert all(w.state.weight_version == version and not w.stale for w in info.workers)
+    assert all(w.state.weight_version == version and not w.behind for w in info.workers)
     assert await rl.get_weight_version() == version
     assert await first_watched_version(rl) == version
     replies = await generate_all(rl)

@@ -298,7 +298,7 @@ def _print_status(info: Any) -> None:
         t.add_row(
             w.worker_id, str(w.rank), s.pause_mode or "no" if s.paused else "no",
             ",".join(s.sleeping_tags) or "no",
-            s.weight_version + (" (stale)" if w.stale else "") + (" (dirty)" if s.dirty else ""),
+            s.weight_version + (" (behind)" if w.behind else "") + (" (dirty)" if s.dirty else ""),
             (s.draft_version or "-") + (" (stale)" if s.draft_stale else ""),
             str(s.in_flight), f"{s.param_bytes / 2**20:.2f}", f"{s.kv_cache_bytes / 2**20:.2f}", f"{w.last_seen_s:.1f}",
         )

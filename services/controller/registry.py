@@ -85,7 +85,7 @@ class Registry:
                 state=self._entries[w].state,
                 rank=i,
                 last_seen_s=round(now - self._entries[w].last_seen, 3),
-                stale=committed_version is not None and self._entries[w].state.weight_version != committed_version,
+                behind=committed_version is not None and self._entries[w].state.weight_version != committed_version,
             )
             for i, w in enumerate(self.ids())
         ]

@@ -244,7 +244,7 @@ class ControllerService:
             log.info("worker %s joined (%s)", w, caps.model_name)
             self._notify()
             await self.fleet.event("worker_joined", [w])
-        if synced.stale:
+        if synced.withheld:
             await self.fleet.event(
                 "worker_stale", [w],
                 f"holds {synced.weight_version}, committed is {self.version.version}; push weights to bring it in step",

@@ -92,7 +92,7 @@ class WorkerService:
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self._endpoints = Endpoints(self._tg, f"worker {self.id}")
         self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
-        self.stale = False
+        self.withheld = False
         """On an older version than the committed one (told by the controller's Sync)."""
         self._generate_service: Service | None = None
 
@@ -118,7 +118,7 @@ class WorkerService:
             weight_version=e.weight_version,
             draft_version=e.draft_version,
             dirty=e.dirty,
-            stale=self.stale,
+            withheld=self.withheld,
             session_id=self.updates.session_id,
             transfer_ready=self.updates.transfer_ready,
             draft_stale=e.draft_stale,
@@ -287,7 +287,7 @@ class WorkerService:
         target = self.updates.session.target if self.updates.session else "main"
         await self.updates.commit(cmd.session_id, cmd.weight_version)
         if target == "main":
-            await self._set_stale(False)  # it holds the committed weights now
+            await self._withhold(False)  # it holds the committed weights now
         return self.ack()
 
     async def _abort_session(self, cmd: AbortSession) -> WorkerAck:
@@ -296,21 +296,21 @@ class WorkerService:
 
     async def _set_version(self, cmd: SetVersion) -> WorkerAck:
         self.updates.set_version(cmd.new_version)
-        await self._set_stale(False)
+        await self._withhold(False)
         return self.ack()
 
     async def _sync(self, cmd: Sync) -> WorkerAck:
-        await self._set_stale(self.engine.weight_version != cmd.committed_version)
+        await self._withhold(self.engine.weight_version != cmd.committed_version)
         return self.ack()
 
     async def _set_stale(self, stale: bool) -> None:
-        if stale != self.stale:
+        if stale != self.withheld:
             log.warning("worker %s is %s", self.id, "stale: no generation until current weights arrive" if stale else "current again")
-        self.stale = stale
+        self.withheld = stale
         await self._serve_generation(not stale)
 
     async def _serve_generation(self, on: bool) -> None:
-        """Join or leave the rl.generate queue group (a stale worker takes no traffic).
+        """Join or leave the rl.generate queue group (a withheld worker takes no traffic).
 
         Generation is its own micro service (`rlbus-generate`), so `$SRV.INFO.rlbus-generate`
         lists exactly the workers that take traffic now.

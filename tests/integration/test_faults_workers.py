@@ -175,11 +175,11 @@ async def test_a_late_joiner_on_an_older_version_is_stale_and_takes_no_traffic_u
         late = await _worker(f, p, "w2")
         await f.wait_for_workers(["w2"])
 
-        assert late.engine.weight_version == "default" and late.stale
+        assert late.engine.weight_version == "default" and late.withheld
         info = await rl.server_info()
         by_id = {w.worker_id: w for w in info.workers}
-        assert by_id["w2"].stale and by_id["w2"].state.stale
-        assert not by_id["w0"].stale and not by_id["w1"].stale
+        assert by_id["w2"].behind and by_id["w2"].state.withheld
+        assert not by_id["w0"].behind and not by_id["w1"].behind
         await eventually(lambda: stale_events, timeout=3, what="a worker_stale event")
         assert [e.workers for e in stale_events] == [["w2"]]
 
@@ -190,9 +190,9 @@ async def test_a_late_joiner_on_an_older_version_is_stale_and_takes_no_traffic_u
         v2 = trained(22)
         ack = await rl.push_weights(v2, "v2")  # the group must be rebuilt to include w2
         assert sorted(w.worker_id for w in ack.workers) == ["w0", "w1", "w2"]
-        assert not late.stale and late.engine.weight_version == "v2"
+        assert not late.withheld and late.engine.weight_version == "v2"
         assert_holds(f, "w2", v2)
-        assert not any(w.stale or w.state.stale for w in (await rl.server_info()).workers)
+        assert not any(w.behind or w.state.withheld for w in (await rl.server_info()).workers)
 
         async def w2_answers() -> bool:
             r = await rl.generate([1, 2, 3], 4)

@@ -94,7 +94,7 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
         where = f"after iteration {i} ({kind})"
         assert info.weight_version == want and info.session_id is None, where
         assert sorted(w.worker_id for w in info.workers) == sorted(f.workers), where
-        assert not any(w.stale for w in info.workers), where
+        assert not any(w.behind for w in info.workers), where
         assert await rl.get_weight_version() == want, where
         for wid, w in f.workers.items():
             assert w.engine.weight_version == want, f"{wid} {where}"

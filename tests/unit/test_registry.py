@@ -56,4 +56,4 @@ def test_stale_workers_are_flagged_against_the_committed_version():
     reg = Registry()
     reg.join(_caps(), WorkerState(worker_id="a", weight_version="v2"))
     reg.join(_caps(), WorkerState(worker_id="b", weight_version="v1"))
-    assert [i.stale for i in reg.infos("v2")] == [False, True]
+    assert [i.behind for i in reg.infos("v2")] == [False, True]
