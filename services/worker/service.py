@@ -303,11 +303,12 @@ class WorkerService:
         await self._withhold(self.engine.weight_version != cmd.committed_version)
         return self.ack()
 
-    async def _set_stale(self, stale: bool) -> None:
-        if stale != self.withheld:
-            log.warning("worker %s is %s", self.id, "stale: no generation until current weights arrive" if stale else "current again")
-        self.withheld = stale
-        await self._serve_generation(not stale)
+    async def _withhold(self, behind: bool) -> None:
+        """Withhold this worker from generation while it is behind the committed version."""
+        if behind != self.withheld:
+            log.warning("worker %s is %s", self.id, "behind: no generation until current weights arrive" if behind else "current again")
+        self.withheld = behind
+        await self._serve_generation(not behind)
 
     async def _serve_generation(self, on: bool) -> None:
         """Join or leave the rl.generate queue group (a withheld worker takes no traffic).
