@@ -19,8 +19,8 @@ from anyio.abc import TaskGroup
 from nats.micro.request import Request
 from nats.micro.service import Group
 
-from rlbus.schemas import UNDECODABLE_STATUS, Internal, Message, RLBusError, encode, op_of
-from rlbus.schemas.codec import DecodeError
+from rlbus.schemas import UNDECODABLE_STATUS, Internal, InvalidArgument, Message, RLBusError, encode, op_of
+from rlbus.schemas.codec import DecodeError, ValidationError, invalid_field
 
 log = logging.getLogger("rlbus.services")
 
@@ -68,13 +68,32 @@ class Routes:
         return set(self._by_op)
 
     def decode(self, op: str, data: bytes) -> Message:
-        """Decode and check the payload's kind matches the subject's op; raises DecodeError."""
+        """Decode and check the payload's kind matches the subject's op.
+
+        Raises DecodeError (answered with a 400) for a payload that is not this op's command
+        at all, and InvalidArgument (a typed refusal) for one of the right kind whose field
+        holds a wrong value, naming the values it allows."""
         if len(data) > MAX_PAYLOAD:
             raise DecodeError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-        cmd = self.decoder.decode(data or b'{"kind":"%s"}' % op.encode())
+        data = data or b'{"kind":"%s"}' % op.encode()
+        try:
+            cmd = self.decoder.decode(data)
+        except ValidationError as e:
+            route = self._by_op.get(op)
+            if route is not None and _kind_of(data) == op:
+                raise InvalidArgument(invalid_field(route.kind, e)) from None
+            raise
         if op_of(cmd) != op:
             raise DecodeError(f"payload kind {op_of(cmd)!r} does not match the subject's op {op!r}")
         return cmd
+
+
+def _kind_of(data: bytes) -> object:
+    try:
+        doc = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return doc.get("kind") if isinstance(doc, dict) else None
 
 
 class ReplyCache:
@@ -141,6 +160,9 @@ class Endpoints:
         async def on_request(req: Request) -> None:
             try:
                 cmd = routes.decode(op, req.data)
+            except RLBusError as e:
+                await req.respond(encode(e.to_nack()))
+                return
             except DecodeError as e:
                 await req.respond_error(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}")
                 return

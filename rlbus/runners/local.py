@@ -83,6 +83,10 @@ class LocalFleet:
         if self.controller is not None:
             await self.stop(self.controller)
 
+    def all_running(self) -> bool:
+        """True while no service started here has exited (stop() and kill() forget theirs)."""
+        return all(not t.done() for t in self._tasks.values())
+
     async def wait_for_workers(self, ids: Sequence[str]) -> None:
         assert self.controller is not None
         await self.controller.wait_for(lambda reg: all(w in reg for w in ids))

@@ -29,7 +29,6 @@ from rlbus.schemas import (
     GetServerInfo,
     GetStatus,
     Heartbeat,
-    InvalidArgument,
     IsPaused,
     IsSleeping,
     Pause,
@@ -280,8 +279,6 @@ class ControllerService:
         return self.updates.ack(out)
 
     async def _sleep(self, cmd: Sleep) -> FleetAck:
-        if cmd.level not in (1, 2):
-            raise InvalidArgument(f"sleep level must be 1 or 2, not {cmd.level}")
         async with self.fleet.lock:
             workers = self.fleet.ids()
             no_sleep = [w for w in workers if not self.registry.capabilities(w).sleep_mode_enabled]

@@ -16,6 +16,7 @@ from rlbus.schemas import (
     FleetAck,
     FleetEvent,
     Heartbeat,
+    Nack,
     Pause,
     Resume,
     ServerInfo,
@@ -249,13 +250,36 @@ async def test_micro_info_lists_each_workers_command_and_generate_endpoints(flee
     assert [e["subject"] for e in gen["endpoints"]] == [f"{prefix}.generate"]
 
 
-@pytest.mark.parametrize("payload", [b"{not json", b'{"kind":"pause","mode":"sideways"}', b"\x00\xff"])
+@pytest.mark.parametrize("payload", [b"{not json", b'{"kind":"resume"', b"\x00\xff"])
 async def test_undecodable_payload_gets_a_400_service_error_and_changes_nothing(fleet, raw, prefix, payload):
     f, rl = fleet
     msg = await raw.request(Subjects(prefix).control("pause"), payload, timeout=5)
     assert msg.headers is not None and msg.headers.get("Nats-Service-Error-Code") == "400"
     assert not await rl.is_paused()
     assert not any(w.state().paused for w in f.workers.values())
+
+
+@pytest.mark.parametrize("payload, allowed", [
+    (b'{"kind":"pause","mode":"sideways"}', "'abort', 'wait', 'keep'"),
+    (b'{"kind":"pause","mode":5}', "'abort', 'wait', 'keep'"),
+])
+async def test_a_bad_enum_value_is_refused_as_invalid_argument_naming_the_allowed_values(fleet, raw, prefix, payload, allowed):
+    f, rl = fleet
+    msg = await raw.request(Subjects(prefix).control("pause"), payload, timeout=5)
+    reply = reply_decoder.decode(msg.data)
+    assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT", reply
+    assert allowed in reply.message and "mode" in reply.message
+    assert not any(w.state().paused for w in f.workers.values())
+
+
+async def test_bad_sleep_levels_and_tags_are_refused_as_invalid_argument(fleet, raw, prefix):
+    f, rl = fleet
+    for payload, allowed in [(b'{"kind":"sleep","level":3}', "1, 2"), (b'{"kind":"sleep","tags":["gpu"]}', "'weights', 'kv_cache'")]:
+        reply = reply_decoder.decode((await raw.request(Subjects(prefix).control("sleep"), payload, timeout=5)).data)
+        assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT" and allowed in reply.message, reply
+    with pytest.raises(rlbus.InvalidArgument, match="allowed values: 1, 2"):
+        await rl.sleep(level=3)
+    assert not await rl.is_sleeping()
 
 
 async def test_payload_whose_kind_does_not_match_the_subject_gets_400(fleet, raw, prefix):
