@@ -11,6 +11,7 @@ import anyio
 from nats.aio.client import Client
 
 from rlbus.bus.connection import NatsAuth, connect, denials_of, drain
+from rlbus.schemas import RLBusError
 
 log = logging.getLogger("rlbus.runners.serve")
 
@@ -23,6 +24,10 @@ class Service(Protocol):
 
 class ServiceDenied(SystemExit):
     """The NATS server denied the service a subject it needs: a fatal misconfiguration."""
+
+
+class ServiceRefused(SystemExit):
+    """The service refused to start (it logged why, e.g. its worker id is held by a live worker)."""
 
 
 async def serve(
@@ -42,6 +47,7 @@ async def serve(
     if isinstance(svc, Awaitable):
         svc = await svc
     denied: list[str] = []
+    refused: list[RLBusError] = []
 
     def on_denied(action: str, subject: str) -> None:
         log.error("%s: NATS denies %s to %s; check this service's credentials and role. Stopping.", name, action, subject)
@@ -59,8 +65,14 @@ async def serve(
                     return
 
         tg.start_soon(on_signal)
-        await svc.run()
+        try:
+            await svc.run()
+        except RLBusError as e:  # refused to start (e.g. its worker id is taken): say why, exit 1
+            log.error("%s: %s", name, e)
+            refused.append(e)
         tg.cancel_scope.cancel()
     await drain(nc)
     if denied:
         raise ServiceDenied(2)
+    if refused:
+        raise ServiceRefused(1)

@@ -11,6 +11,8 @@ import logging
 import anyio
 import msgspec
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
@@ -50,6 +52,7 @@ from rlbus.schemas import (
     encode,
     event_decoder,
     generate_request_decoder,
+    op_of,
     worker_command_decoder,
 )
 from rlbus.schemas.codec import DecodeError
@@ -61,6 +64,9 @@ from .updates import WeightUpdates
 log = logging.getLogger("rlbus.worker")
 
 SERVICE_VERSION = "0.1.0"
+
+ID_PROBE_TIMEOUT_S = 2.0
+"""How long the startup check waits for a live worker that holds the same id to answer."""
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,7 +144,11 @@ class WorkerService:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
-        """Serve until stop(); then drain: in-flight requests finish and reply."""
+        """Serve until stop(); then drain: in-flight requests finish and reply.
+
+        Refuses to start (FailedPrecondition naming the id) while another live worker holds
+        this worker id: two workers under one id would answer for each other."""
+        await self._claim_id()
         async with anyio.create_task_group() as tg:
             self._tg = tg
             self._endpoints = eps = Endpoints(tg, f"worker {self.id}")
@@ -184,6 +194,23 @@ class WorkerService:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _claim_id(self) -> None:
+        """Ask whoever serves this id's status subject: any answer, even a refusal, means a
+        live worker holds the id. No responders means it is free (a dead worker's
+        subscriptions go with its connection). A holder that does not answer in time is
+        frozen, not gone (SIGSTOP, a partition): refused as well, since it may come back."""
+        subject = self.subjects.worker(self.id, op_of(GetStatus))
+        try:
+            await self.nc.request(subject, b"", timeout=ID_PROBE_TIMEOUT_S)
+        except NoRespondersError:
+            return
+        except NatsTimeout:
+            raise FailedPrecondition(
+                f"worker id {self.id!r} is held by a worker that does not answer (frozen or partitioned); "
+                "stop it or pick another --id"
+            ) from None
+        raise FailedPrecondition(f"worker id {self.id!r} is already in use by a live worker; stop it or pick another --id")
 
     async def _heartbeat(self) -> None:
         while True:

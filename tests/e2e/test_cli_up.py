@@ -140,6 +140,15 @@ def test_version_command_shows_and_sets_the_fleet_version(up):
     assert "v-from-cli" in _rlbus("status", "--nats-url", up.url).stdout
 
 
+def test_a_second_worker_with_a_live_id_exits_nonzero_naming_the_id(up):
+    second = _rlbus("worker", "--id", WORKERS[0], "--nats-url", up.url)
+    assert second.returncode == 1, second.stderr[-2000:]
+    assert f"worker id '{WORKERS[0]}' is already in use" in second.stderr
+    assert "Traceback" not in second.stderr
+    shown = _rlbus("status", "--nats-url", up.url)
+    assert shown.returncode == 0 and all(w in shown.stdout for w in WORKERS)
+
+
 def test_a_command_with_no_controller_exits_nonzero_naming_unavailable(nats_server):
     # the session's server runs no controller under the default prefix
     result = _rlbus("status", "--nats-url", nats_server.url)
