@@ -1,4 +1,5 @@
-"""Weight-update checks shared by the gloo, shm and process-fleet test modules (not a test file).
+"""Weight-update checks shared by test_weight_updates (over gloo and over shm) and the
+process-fleet module, and the engine-level asserts of the unit tests (not a test file).
 
 Each `check_*` coroutine runs one scenario against a fleet whose workers hold `MODEL`
 and asserts everything the scenario promises; the modules call them with their own fleet.
@@ -20,6 +21,7 @@ from rlbus.sdk.client import RLClient
 from rlbus.runners.local import LocalFleet
 from rlbus.schemas import FleetAck, UpdateWeights, VersionInfo
 from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
+from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.transfer.stream import pack_all, prepare, send_all
 from tests.fleet import PROMPTS, SMALL
 from tests.waiting import eventually
@@ -42,18 +44,28 @@ def trained(seed: int, cfg: ModelConfig = MODEL) -> Named:
     return [(n, p.detach().clone()) for n, p in model.named_parameters()]
 
 
+def engine_snapshot(engine: ReferenceEngine) -> dict[str, torch.Tensor]:
+    """A copy of a reference engine's (main) parameters."""
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+def assert_engine_holds(engine: ReferenceEngine, expected: Named | dict[str, torch.Tensor], who: str = "engine") -> None:
+    """The engine's parameters are bit-identical to `expected` (same names, dtypes, shapes, bytes)."""
+    want = dict(expected)
+    have = dict(engine.model.named_parameters())
+    assert set(have) == set(want), f"{who}: parameter names differ"
+    differ = [n for n in want if not (have[n].dtype == want[n].dtype and torch.equal(have[n], want[n]))]
+    assert not differ, f"{who}: parameters not bit-identical: {differ}"
+
+
 def snapshot(fleet: LocalFleet, worker_id: str) -> dict[str, torch.Tensor]:
     """A copy of one in-process worker's parameters."""
-    return {n: p.detach().clone() for n, p in fleet.workers[worker_id].engine.model.named_parameters()}  # type: ignore[attr-defined]
+    return engine_snapshot(fleet.workers[worker_id].engine)  # type: ignore[arg-type]
 
 
 def assert_holds(fleet: LocalFleet, worker_id: str, expected: Named | dict[str, torch.Tensor]) -> None:
     """The worker's parameters are bit-identical to `expected` (same names, dtypes, shapes, bytes)."""
-    want = dict(expected)
-    have = dict(fleet.workers[worker_id].engine.model.named_parameters())  # type: ignore[attr-defined]
-    assert set(have) == set(want), f"{worker_id}: parameter names differ"
-    differ = [n for n in want if not (have[n].dtype == want[n].dtype and torch.equal(have[n], want[n]))]
-    assert not differ, f"{worker_id}: parameters not bit-identical: {differ}"
+    assert_engine_holds(fleet.workers[worker_id].engine, expected, worker_id)  # type: ignore[arg-type]
 
 
 @torch.inference_mode()

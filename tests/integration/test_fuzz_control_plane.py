@@ -195,7 +195,7 @@ def _fuzz(rl, subject_of, strategy) -> int:  # noqa: ANN001
 
 
 async def _assert_unchanged(fleet, rl, named) -> None:  # noqa: ANN001
-    assert all(not t.done() for t in fleet._tasks.values()), "a service stopped"
+    assert fleet.all_running(), "a service stopped"
     info = await rl.server_info()
     if info.session_id:
         await rl.abort_weight_update("fuzz cleanup")

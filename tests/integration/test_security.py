@@ -82,10 +82,6 @@ async def trainer(secure, fleet):  # noqa: ANN201
     await rl.close()
 
 
-def _services_running(fleet: LocalFleet) -> bool:
-    return all(not t.done() for t in fleet._tasks.values())
-
-
 async def test_fleet_works_end_to_end_with_least_privilege(fleet, trainer):
     info = await trainer.server_info()
     assert [w.worker_id for w in info.workers] == list(WORKERS)
@@ -107,7 +103,7 @@ async def test_fleet_works_end_to_end_with_least_privilege(fleet, trainer):
     reply = await trainer.generate([1, 2, 3], 4)
     assert reply.finish_reason == "length" and reply.weight_version == version
     assert not denials_of(trainer.nc).seen
-    assert _services_running(fleet)
+    assert fleet.all_running()
 
 
 async def test_a_worker_identity_cannot_send_control_commands(secure, fleet, trainer):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -50,21 +49,6 @@ async def test_sync_client_raises_the_typed_error_of_a_refusal(sync_client):
     with pytest.raises(rlbus.InvalidArgument) as err:
         await asyncio.to_thread(sync_client.generate, [1, 2, 3], 0)
     assert err.value.code == "INVALID_ARGUMENT"
-
-
-async def test_sync_client_without_a_url_raises_unavailable_and_leaves_no_thread(monkeypatch):
-    monkeypatch.delenv("RLBUS_NATS_URL", raising=False)
-
-    def foreign_threads() -> set[threading.Thread]:
-        # asyncio.to_thread's own pool may grow by a thread; any other new thread is the portal's
-        return {t for t in threading.enumerate() if not t.name.startswith("asyncio_")}
-
-    before = foreign_threads()
-
-    with pytest.raises(rlbus.Unavailable):
-        await asyncio.to_thread(SyncRLClient, None)
-
-    await eventually(lambda: foreign_threads() <= before, timeout=5, what="portal thread gone")
 
 
 async def test_sync_client_close_closes_its_connection(nats_server, prefix, fleet):

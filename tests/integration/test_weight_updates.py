@@ -1,8 +1,10 @@
-"""Weight-update sessions on an in-process fleet over gloo: the trainer's ranks and the
-workers' ranks are threads of this process, the metadata goes through a real controller.
+"""Weight-update sessions on an in-process fleet: the trainer's ranks and the workers' ranks
+are threads of this process, the metadata goes through a real controller.
 
-One fleet serves the happy paths; tests that need another configuration or break state
-start a small fleet of their own under a prefix of their own.
+One fleet per backend serves the happy paths: the scenarios every transport must pass run
+over gloo and over shm; the control-plane rules, which do not depend on the transport, run
+over one (`over_one_backend`); tests that need another configuration or break state start
+a small fleet of their own under a prefix of their own.
 """
 
 from __future__ import annotations
@@ -46,10 +48,24 @@ from tests.weights_helpers import (
 )
 
 
+BACKENDS = ["gloo", "shm"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> str:  # noqa: ANN001
+    """The transport of the module's fleet: one fleet per backend, each started once."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-async def fleet(nats_server, prefix):
-    async with fleet_running(nats_server.url, prefix, weight_transfer_backend="gloo", model=MODEL) as running:
+async def fleet(nats_server, prefix, backend):
+    async with fleet_running(nats_server.url, prefix + backend, weight_transfer_backend=backend, model=MODEL) as running:
         yield running
+
+
+over_one_backend = pytest.mark.parametrize("backend", ["gloo"], indirect=True)
+"""A control-plane rule: the transport under the session does not change it."""
+only_over_shm = pytest.mark.parametrize("backend", ["shm"], indirect=True)
 
 
 @pytest.fixture(autouse=True)
@@ -73,14 +89,17 @@ async def _close(f, rl) -> None:  # noqa: ANN001
 # ---- the happy path ------------------------------------------------------------------------
 
 
-async def test_push_weights_makes_every_worker_bit_identical_to_the_trainer(fleet):
-    await check_push_weights_is_bit_identical(*fleet, seed=7)
+async def test_push_weights_makes_every_worker_bit_identical_to_the_trainer(fleet, backend):
+    f, rl = fleet
+    await check_push_weights_is_bit_identical(f, rl, seed=7)
+    assert all(w.capabilities.weight_transfer_backend == backend for w in (await rl.server_info()).workers)
 
 
 async def test_explicit_lifecycle_commits_two_updates_and_finish_none_keeps_the_version(fleet):
     await check_explicit_lifecycle_in_two_updates(*fleet, seed=11)
 
 
+@over_one_backend
 async def test_version_is_published_once_per_successful_finish_and_never_for_a_failed_one(fleet):
     f, rl = fleet
     async with VersionEvents(rl) as events:
@@ -101,6 +120,7 @@ async def test_version_is_published_once_per_successful_finish_and_never_for_a_f
         assert events.seen[0].session_id is not None and events.seen[1].session_id is None
 
 
+@over_one_backend
 async def test_watch_versions_yields_the_current_version_first_then_each_new_one(fleet):
     f, rl = fleet
     current = (await rl.server_info()).weight_version
@@ -136,6 +156,15 @@ async def test_shape_mismatch_is_refused_naming_the_tensor_before_any_byte_moves
     await check_shape_mismatch_is_refused_before_bytes_move(*fleet, seed=71)
 
 
+@only_over_shm
+async def test_the_trainer_packs_straight_into_shared_memory_so_workers_copy_once(fleet):
+    f, rl = fleet
+    await check_push_weights_is_bit_identical(f, rl, seed=81)
+    assert rl.push.transfer is not None and len(rl.push.scratch) == 2
+    assert all(rl.push.transfer.holds(b) for b in rl.push.scratch), "the packing buffers are not the transport's shared memory"
+
+
+@over_one_backend
 async def test_a_finish_without_the_senders_checksums_aborts_and_changes_nothing(fleet):
     """The bytes arrived, but the finish carries no checksums for them (it did not come from
     the client that sent them): nothing can be verified, so nothing is committed."""
@@ -157,6 +186,7 @@ async def test_a_finish_without_the_senders_checksums_aborts_and_changes_nothing
     assert await first_watched_version(rl) == version
 
 
+@over_one_backend
 async def test_an_update_split_into_several_metadata_messages_commits_with_every_checksum_in_order(fleet, monkeypatch):
     f, rl = fleet
     if not rl.transfer_ready:
@@ -172,6 +202,7 @@ async def test_an_update_split_into_several_metadata_messages_commits_with_every
         assert_holds(f, wid, named)
 
 
+@over_one_backend
 async def test_malformed_checksums_are_refused_and_the_session_stays_open(fleet):
     f, rl = fleet
     if not rl.transfer_ready:
@@ -193,6 +224,7 @@ async def test_malformed_checksums_are_refused_and_the_session_stays_open(fleet)
 # ---- refusals ------------------------------------------------------------------------------
 
 
+@over_one_backend
 async def test_finish_without_start_is_refused(fleet):
     _, rl = fleet
     with pytest.raises(rlbus.FailedPrecondition) as err:
@@ -200,6 +232,7 @@ async def test_finish_without_start_is_refused(fleet):
     assert err.value.code == "FAILED_PRECONDITION"
 
 
+@over_one_backend
 async def test_starting_a_second_session_is_refused_and_the_first_stays_open(fleet):
     _, rl = fleet
     if not rl.transfer_ready:
@@ -211,6 +244,7 @@ async def test_starting_a_second_session_is_refused_and_the_first_stays_open(fle
     assert (await rl.server_info()).session_id == first.session_id
 
 
+@over_one_backend
 async def test_update_without_a_session_is_refused(fleet):
     _, rl = fleet
     if not rl.transfer_ready:
@@ -231,6 +265,7 @@ async def test_update_before_init_weight_transfer_is_refused_by_the_client(nats_
         await _close(f, rl)
 
 
+@over_one_backend
 async def test_start_while_weights_sleep_is_refused_until_they_wake(fleet):
     f, rl = fleet
     if not rl.transfer_ready:
@@ -248,6 +283,7 @@ async def test_start_while_weights_sleep_is_refused_until_they_wake(fleet):
     await rl.abort_weight_update()
 
 
+@over_one_backend
 async def test_setting_the_version_while_a_session_is_open_is_refused(fleet):
     _, rl = fleet
     if not rl.transfer_ready:
@@ -261,6 +297,7 @@ async def test_setting_the_version_while_a_session_is_open_is_refused(fleet):
     assert await rl.get_weight_version() == version
 
 
+@over_one_backend
 @pytest.mark.parametrize("bad", ["", "   ", "x" * 129, "step\n1", "tab\there"], ids=["empty", "blank", "too-long", "newline", "tab"])
 async def test_invalid_version_strings_are_refused(fleet, bad):
     _, rl = fleet
@@ -361,6 +398,7 @@ async def test_a_nack_from_one_worker_names_only_that_worker(nats_server, prefix
         await _close(f, rl)
 
 
+@over_one_backend
 async def test_get_weight_version_names_the_workers_that_disagree(fleet):
     f, rl = fleet
     committed = await rl.get_weight_version()
