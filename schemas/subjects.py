@@ -53,6 +53,12 @@ class Subjects(msgspec.Struct, frozen=True):
         return f"{self.prefix}.worker.gone"
 
     @property
+    def worker_inbox(self) -> str:
+        """Workers' reply inbox prefix: a worker may read replies to its own requests (the
+        startup check of its id) without the right to read everyone's `_INBOX.>`."""
+        return f"_INBOX.{self.prefix}-worker"
+
+    @property
     def controller_hello(self) -> str:
         """controller -> all workers: re-announce yourselves."""
         return f"{self.prefix}.controller.hello"
@@ -93,6 +99,16 @@ class Subjects(msgspec.Struct, frozen=True):
     def kv_bucket(self) -> str:
         """JetStream KV bucket holding durable controller state."""
         return f"{self.prefix.replace('.', '_')}_state"
+
+    @property
+    def replies_bucket(self) -> str:
+        """JetStream KV bucket (with a TTL) holding the controller's answers to state-changing
+        commands by command id, so a retry after a restart gets the first answer."""
+        return f"{self.prefix.replace('.', '_')}_replies"
+
+    @property
+    def replies_subjects(self) -> str:
+        return f"$KV.{self.replies_bucket}.>"
 
     @property
     def kv_stream(self) -> str:

@@ -8,10 +8,11 @@ returns at once. The task replies when the work is done.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -36,11 +37,14 @@ class Route(Generic[C]):
     the NATS callback: only for handlers that will not wait (no lock, no I/O beyond their
     reply), where a task would cost more than the work."""
 
-    def __init__(self, kind: type[C], handler: Callable[[C], Awaitable[object]], inline: bool | Callable[[C], bool]) -> None:
+    def __init__(self, kind: type[C], handler: Callable[[C], Awaitable[object]], inline: bool | Callable[[C], bool],
+                 read: bool) -> None:
         self.kind = kind
         self.op = op_of(kind)
         self.handler = handler
         self.inline = inline
+        self.read = read
+        """Changes nothing: its answers need not outlive the process."""
 
     def runs_inline(self, cmd: C) -> bool:
         return self.inline(cmd) if callable(self.inline) else self.inline
@@ -55,8 +59,9 @@ class Routes:
         """Decodes every command this service accepts (one direction of the contract)."""
         self._by_op: dict[str, Route[Any]] = {}
 
-    def add(self, kind: type[C], handler: Callable[[C], Awaitable[object]], *, inline: bool | Callable[[C], bool] = False) -> None:
-        route = Route(kind, handler, inline)
+    def add(self, kind: type[C], handler: Callable[[C], Awaitable[object]], *, inline: bool | Callable[[C], bool] = False,
+            read: bool = False) -> None:
+        route = Route(kind, handler, inline, read)
         if route.op in self._by_op:
             raise ValueError(f"{route.op} is routed twice")
         self._by_op[route.op] = route
@@ -96,34 +101,78 @@ def _kind_of(data: bytes) -> object:
     return doc.get("kind") if isinstance(doc, dict) else None
 
 
-class ReplyCache:
-    """Idempotency: answers by command id, so a retried command runs once."""
+class StoredReply(msgspec.Struct, frozen=True):
+    """An answer as the reply cache keeps it: what it answered, and the answer."""
 
-    def __init__(self, size: int = 512) -> None:
-        self._done: OrderedDict[str, bytes] = OrderedDict()
-        self._running: dict[str, anyio.Event] = {}
+    fingerprint: str
+    """The op and a digest of the payload: a reused id must resend the same command."""
+    reply: bytes
+
+
+class DurableReplies(Protocol):
+    """Where answers outlive the process (the controller: a KV bucket with a TTL)."""
+
+    async def get(self, command_id: str) -> StoredReply | None: ...
+
+    async def put(self, command_id: str, stored: StoredReply) -> None: ...
+
+
+def fingerprint(op: str, data: bytes) -> str:
+    return f"{op}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+
+
+class ReplyCache:
+    """Idempotency: answers by command id, so a retried command runs once.
+
+    A retry must be the same command: the same id with another op or payload is refused
+    (INVALID_ARGUMENT naming the conflict) instead of answered with the first command's
+    reply. With a durable store, answers of state-changing commands also survive a restart,
+    so a retry that reaches the next controller gets the first answer."""
+
+    def __init__(self, size: int = 512, durable: DurableReplies | None = None) -> None:
+        self._done: OrderedDict[str, StoredReply] = OrderedDict()
+        self._running: dict[str, tuple[str, anyio.Event]] = {}
         self.size = size
+        self.durable = durable
 
     def __contains__(self, command_id: str) -> bool:
         """A command with this id is running (a duplicate must wait for it)."""
         return command_id in self._running
 
-    async def run(self, command_id: str, work: Callable[[], Awaitable[bytes]]) -> bytes:
+    def _check(self, command_id: str, print_: str, seen: str) -> None:
+        if seen != print_:
+            raise InvalidArgument(
+                f"command id {command_id!r} was first used for {seen.split(':')[0]} with another payload; "
+                "a retry must resend the same command, a new command needs a new id"
+            )
+
+    async def run(self, command_id: str, print_: str, work: Callable[[], Awaitable[bytes]], *, durable: bool = False) -> bytes:
+        """The answer of `work`, run once per command id. `durable`: also keep it in the
+        durable store (state-changing commands)."""
         if not command_id:
             return await work()
-        if command_id in self._done:
-            return self._done[command_id]
         while command_id in self._running:  # a duplicate arrived while the first runs
-            await self._running[command_id].wait()
+            running_print, ev = self._running[command_id]
+            self._check(command_id, print_, running_print)
+            await ev.wait()
         if command_id in self._done:
-            return self._done[command_id]
-        ev = self._running[command_id] = anyio.Event()
+            stored = self._done[command_id]
+            self._check(command_id, print_, stored.fingerprint)
+            return stored.reply
+        ev = anyio.Event()
+        self._running[command_id] = (print_, ev)
         try:
-            out = await work()
-            self._done[command_id] = out
+            stored = await self.durable.get(command_id) if durable and self.durable is not None else None
+            if stored is not None:
+                self._check(command_id, print_, stored.fingerprint)
+            else:
+                stored = StoredReply(print_, await work())
+                if durable and self.durable is not None:
+                    await self.durable.put(command_id, stored)
+            self._done[command_id] = stored
             while len(self._done) > self.size:
                 self._done.popitem(last=False)
-            return out
+            return stored.reply
         finally:
             del self._running[command_id]
             ev.set()
@@ -132,13 +181,13 @@ class ReplyCache:
 class Endpoints:
     """Runs command handlers as tasks in the service's task group and replies for them."""
 
-    def __init__(self, tg: TaskGroup, name: str) -> None:
+    def __init__(self, tg: TaskGroup, name: str, durable: DurableReplies | None = None) -> None:
         self._tg = tg
         self._name = name
         self._in_flight = 0
         self._idle = anyio.Event()
         self._idle.set()
-        self.replies = ReplyCache()
+        self.replies = ReplyCache(durable=durable)
 
     @property
     def in_flight(self) -> int:
@@ -166,10 +215,11 @@ class Endpoints:
             except DecodeError as e:
                 await req.respond_error(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}")
                 return
+            print_ = fingerprint(op, req.data)
             if route.runs_inline(cmd) and cmd.command_id not in self.replies:  # type: ignore[attr-defined]
-                await self._reply(req, lambda: self._answer(handler, cmd), counted=False)
+                await self._reply(req, lambda: self._answer(route, handler, cmd, print_), counted=False)
             else:
-                self.spawn(req, lambda: self._answer(handler, cmd))
+                self.spawn(req, lambda: self._answer(route, handler, cmd, print_))
 
         return on_request
 
@@ -189,7 +239,7 @@ class Endpoints:
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._tg.start_soon(self._reply, req, work)
 
-    async def _answer(self, handler: Handler, cmd: Any) -> bytes:
+    async def _answer(self, route: Route[Any], handler: Handler, cmd: Any, print_: str) -> bytes:
         async def work() -> bytes:
             try:
                 return encode(await handler(cmd))
@@ -199,7 +249,10 @@ class Endpoints:
                 log.exception("%s: %s failed", self._name, type(cmd).__name__)
                 return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
 
-        return await self.replies.run(cmd.command_id, work)
+        try:
+            return await self.replies.run(cmd.command_id, print_, work, durable=not route.read)
+        except RLBusError as e:  # the id was used for another command
+            return encode(e.to_nack())
 
     async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes]], *, counted: bool = True) -> None:
         try:

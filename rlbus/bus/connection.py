@@ -132,6 +132,7 @@ async def connect(
     auth: NatsAuth | None = None,
     ping_interval: float = 2.0,
     max_outstanding_pings: int = 2,
+    inbox_prefix: str | None = None,
 ) -> Client:
     """Connect with reconnects forever and a short ping interval (a dead link shows within
     seconds). Credentials come from `auth`, else from the RLBUS_NATS_* environment."""
@@ -162,7 +163,8 @@ async def connect(
     result: list[Client] = []
 
     async def attempt() -> None:
-        result.append(await _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect))
+        result.append(await _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect,
+                                     inbox_prefix))
         tg.cancel_scope.cancel()
 
     async def watch_refusal() -> None:
@@ -182,7 +184,9 @@ async def connect(
     return nc
 
 
-async def _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect) -> Client:  # noqa: ANN001
+async def _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect,  # noqa: ANN001
+                   inbox_prefix) -> Client:  # noqa: ANN001
+    extra = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     return await nats.connect(
         url,
         name=name,
@@ -196,6 +200,7 @@ async def _connect(url, name, ping_interval, max_outstanding_pings, auth, on_err
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         **auth.connect_kwargs(),  # type: ignore[arg-type]
+        **extra,
     )
 
 

@@ -232,7 +232,7 @@ def worker(
         )
         return WorkerService(nc, engine, opts)
 
-    anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth()))
+    anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(), inbox_prefix=opts.subjects.worker_inbox))
 
 
 @main.command()
@@ -275,7 +275,7 @@ def _client_call(nats_url: str | None, fn: Callable[[Any], Awaitable[Any]]) -> A
     auth = _auth()
 
     async def run() -> Any:
-        async with await RLClient.connect(_url(nats_url), timeout=30.0, auth=auth) as rl:
+        async with await RLClient.connect(_url(nats_url), timeout=30.0, auth=auth, retry_s=3.0) as rl:
             return await fn(rl)
 
     try:

@@ -6,7 +6,7 @@ Roles and what each may do (P = the subject prefix, default `rl`):
 |---|---|---|
 | trainer | `P.control.>`, `P.generate`, read-only JetStream API on the state bucket | replies, `P.version`, `P.events.>` |
 | controller | worker commands `P.worker.*.*`, `P.controller.hello`, `P.version`, `P.events.>`, JetStream (state KV) | `P.control.>`, worker handshakes, `$SRV.>` |
-| worker | its handshake, heartbeat and goodbye only (+ replies to its commands) | `P.worker.*.*`, `P.controller.hello`, `P.generate`, `$SRV.>` |
+| worker | its handshake, heartbeat and goodbye (+ replies to its commands), `P.worker.*.status` (the startup check that its id is free) | `P.worker.*.*`, `P.controller.hello`, `P.generate`, `$SRV.>`, its own inbox `_INBOX.P-worker.>` |
 | observer | read-only JetStream API on the state bucket | replies, `P.version`, `P.events.>` |
 
 Only trainers publish `P.control.>`; only the controller publishes worker commands and
@@ -60,7 +60,7 @@ def permissions(role: str, subjects: Subjects) -> dict[str, object]:
         return {
             "publish": {
                 "allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.version, subjects.events,
-                          "$JS.API.>", subjects.kv_subjects, "_INBOX.>"]
+                          "$JS.API.>", subjects.kv_subjects, subjects.replies_subjects, "_INBOX.>"]
             },
             "subscribe": {
                 "allow": [f"{subjects.control_group}.>", subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone,
@@ -70,8 +70,11 @@ def permissions(role: str, subjects: Subjects) -> dict[str, object]:
         }
     if role == "worker":
         return {
-            "publish": {"allow": [subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone]},
-            "subscribe": {"allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.generate, "$SRV.>"]},
+            # + the status subject of a worker id, to check at startup that no live worker holds its id
+            "publish": {"allow": [subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone,
+                                  subjects.worker("*", "status")]},
+            "subscribe": {"allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.generate, "$SRV.>",
+                                    f"{subjects.worker_inbox}.>"]},
             "allow_responses": True,  # one reply to each command it receives
         }
     if role == "observer":

@@ -31,7 +31,8 @@ class ServiceRefused(SystemExit):
 
 
 async def serve(
-    url: str, name: str, make: Callable[[Client], Awaitable[Service] | Service], *, auth: NatsAuth | None = None
+    url: str, name: str, make: Callable[[Client], Awaitable[Service] | Service], *, auth: NatsAuth | None = None,
+    inbox_prefix: str | None = None,
 ) -> None:
     """Connect, run the service, stop it on a signal and drain the connection.
 
@@ -39,7 +40,7 @@ async def serve(
     naming the subject (a service that silently cannot publish would lie about the fleet).
     """
     try:
-        nc = await connect(url, name=name, auth=auth)
+        nc = await connect(url, name=name, auth=auth, inbox_prefix=inbox_prefix)
     except PermissionError as e:
         log.error("%s", e)
         raise ServiceDenied(2) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,14 +51,22 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 log = logging.getLogger("rlbus.sdk.client")
 
+RETRY_S = 15.0
+"""Default retry window while nothing answers: covers a leader's lease (5 s) and a takeover."""
+
 
 class RLClient:
     """Talks to the controller over NATS. `async with await RLClient.connect(url) as rl: ...`"""
 
-    def __init__(self, nc: Client, *, subjects: Subjects | None = None, timeout: float = 60.0, owns_connection: bool = False) -> None:
+    def __init__(self, nc: Client, *, subjects: Subjects | None = None, timeout: float = 60.0, owns_connection: bool = False,
+                 retry_s: float = RETRY_S) -> None:
         self.nc = nc
         self.subjects = subjects or Subjects()
         self.timeout = timeout
+        self.retry_s = retry_s
+        """How long a call keeps retrying while nothing answers its subject (no responders, a
+        reconnecting connection): a controller handover, a NATS restart. Within the call's
+        deadline; a retry resends the same command id, so it runs once."""
         """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
         self._owns = owns_connection
         self.push = WeightPush(self.call, timeout)
@@ -65,7 +74,8 @@ class RLClient:
 
     @classmethod
     async def connect(
-        cls, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None
+        cls, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None,
+        retry_s: float | None = None,
     ) -> "RLClient":
         """Connect to NATS (url or $RLBUS_NATS_URL; credentials from `auth` or $RLBUS_NATS_*)."""
         resolved = resolve_url(url)
@@ -77,7 +87,8 @@ class RLClient:
             raise PermissionDenied(str(e)) from None
         except Exception as e:
             raise Unavailable(f"cannot connect to NATS at {resolved}: {e}") from None
-        return cls(nc, subjects=Subjects(prefix=prefix), timeout=timeout, owns_connection=True)
+        return cls(nc, subjects=Subjects(prefix=prefix), timeout=timeout, owns_connection=True,
+                   retry_s=RETRY_S if retry_s is None else retry_s)
 
     async def close(self) -> None:
         self.push.close()
@@ -104,12 +115,23 @@ class RLClient:
     async def _ask(self, subject: str, op: str, payload: bytes, expect: type[T], who: str,
                    timeout: float | None = None, decoder: Any = None, hint: str = "") -> T:
         t = timeout or self.timeout
-        try:
-            msg = await request(self.nc, subject, payload, t)
-        except PermissionDenied:
-            raise
-        except Exception as e:  # no responders, timeout, connection closed
-            raise fault_of(e, who=who, op=op, timeout=t, hint=hint).error() from None
+        start = time.monotonic()
+        delay = 0.05
+        while True:
+            left = t - (time.monotonic() - start)
+            try:
+                msg = await request(self.nc, subject, payload, left)
+                break
+            except PermissionDenied:
+                raise
+            except Exception as e:  # no responders, timeout, connection closed
+                fault = fault_of(e, who=who, op=op, timeout=t, hint=hint)
+                waited = time.monotonic() - start
+                if fault.code != "UNAVAILABLE" or waited + delay >= min(t, self.retry_s):
+                    raise fault.error() from None
+                log.info("%s: %s; retrying", op, fault.message)
+                await anyio.sleep(delay)  # back-off between retries, not a wait for a condition
+                delay = min(delay * 2, 0.5)
         return expect_reply(msg, op, expect, decoder) if decoder is not None else expect_reply(msg, op, expect)
 
     # ---- fleet state -------------------------------------------------------------------
@@ -269,13 +291,14 @@ class SyncRLClient:
     """
 
     def __init__(
-        self, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None
+        self, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None,
+        retry_s: float | None = None,
     ) -> None:
         self._portal_cm = start_blocking_portal()
         self._portal: BlockingPortal = self._portal_cm.__enter__()
         try:
             self._client: RLClient = self._portal.call(
-                lambda: RLClient.connect(url, prefix=prefix, timeout=timeout, auth=auth)
+                lambda: RLClient.connect(url, prefix=prefix, timeout=timeout, auth=auth, retry_s=retry_s)
             )
         except BaseException:
             self._portal_cm.__exit__(None, None, None)

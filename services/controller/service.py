@@ -58,7 +58,7 @@ from . import session as S
 from .fleet import Fleet, stamped
 from .leadership import Lease, LeaseLost
 from .registry import Registry
-from .store import StateStore
+from .store import ReplyStore, StateStore
 from .updates import Updates
 
 log = logging.getLogger("rlbus.controller")
@@ -75,6 +75,8 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 10.0
     lease_s: float = 5.0
     """Leadership lease: a standby controller takes over this long after the leader's last renewal."""
+    reply_ttl_s: float = 600.0
+    """How long answers of state-changing commands are kept by command id (in KV, across restarts)."""
 
 
 class ControllerService:
@@ -136,9 +138,10 @@ class ControllerService:
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
             await store.put_session(None)
+        replies = await ReplyStore.open(self.nc, self.subjects.replies_bucket, self.opts.reply_ttl_s)
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            eps = Endpoints(tg, "controller")
+            eps = Endpoints(tg, "controller", durable=replies)
             self._micro = await add_service(
                 self.nc,
                 name=ServiceName.CONTROLLER,
@@ -258,11 +261,11 @@ class ControllerService:
         r = Routes(control_decoder)
         r.add(Pause, self._pause)
         r.add(Resume, self._resume)
-        r.add(IsPaused, self._status)
+        r.add(IsPaused, self._status, read=True)
         r.add(Sleep, self._sleep)
         r.add(WakeUp, self._wake_up)
-        r.add(IsSleeping, self._status)
-        r.add(GetServerInfo, self._server_info, inline=True)
+        r.add(IsSleeping, self._status, read=True)
+        r.add(GetServerInfo, self._server_info, inline=True, read=True)
         self.updates.routes(r)
         return r
 

@@ -6,12 +6,19 @@ the committed version (a VersionInfo), the open session id (or empty).
 
 from __future__ import annotations
 
+import hashlib
+import logging
+
+import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from rlbus.schemas import DEFAULT_VERSION, KvKey, VersionInfo, encode, version_decoder
+from rlbus.services.endpoints import StoredReply
+
+log = logging.getLogger("rlbus.controller.store")
 
 
 class StateStore:
@@ -70,3 +77,48 @@ class StateStore:
 
 def _is_wrong_sequence(e: Exception) -> bool:
     return isinstance(e, KeyWrongLastSequenceError) or "wrong last sequence" in str(e).lower()
+
+
+class ReplyStore:
+    """Answers of state-changing commands by command id, in a KV bucket whose entries expire
+    after `ttl_s`: a trainer that retries a command after a controller restart gets the first
+    answer instead of running it twice. Best effort: a store that cannot be reached costs
+    the durability of that answer, never the answer itself."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    @classmethod
+    async def open(cls, nc: Client, bucket: str, ttl_s: float) -> "ReplyStore":
+        js = nc.jetstream()
+        try:
+            kv = await js.key_value(bucket)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(
+                KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE,
+                               description="rlbus controller answers by command id")
+            )
+        return cls(kv)
+
+    @staticmethod
+    def _key(command_id: str) -> str:
+        return hashlib.blake2b(command_id.encode(), digest_size=16).hexdigest()  # any id, a valid key
+
+    async def get(self, command_id: str) -> StoredReply | None:
+        try:
+            e = await self.kv.get(self._key(command_id))
+        except KeyNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            log.warning("answer store unreachable (%s); running the command", e)
+            return None
+        return _stored.decode(e.value) if e.value else None
+
+    async def put(self, command_id: str, stored: StoredReply) -> None:
+        try:
+            await self.kv.put(self._key(command_id), encode(stored))
+        except Exception as e:  # noqa: BLE001
+            log.warning("answer to command %s not kept in KV: %s", command_id, e)
+
+
+_stored = msgspec.json.Decoder(StoredReply)

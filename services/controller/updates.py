@@ -60,7 +60,7 @@ class Updates:
         r.add(FinishWeightUpdate, self.finish_weight_update)
         r.add(AbortWeightUpdate, self.abort_weight_update)
         r.add(UpdateWeightVersion, self.update_weight_version)
-        r.add(GetWeightVersion, self.get_weight_version)
+        r.add(GetWeightVersion, self.get_weight_version, read=True)
 
     @property
     def session_id(self) -> str | None:

@@ -55,6 +55,7 @@ from rlbus.schemas import (
     op_of,
     worker_command_decoder,
 )
+from rlbus.bus.connection import request
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
@@ -202,7 +203,7 @@ class WorkerService:
         frozen, not gone (SIGSTOP, a partition): refused as well, since it may come back."""
         subject = self.subjects.worker(self.id, op_of(GetStatus))
         try:
-            await self.nc.request(subject, b"", timeout=ID_PROBE_TIMEOUT_S)
+            await request(self.nc, subject, b"", ID_PROBE_TIMEOUT_S)
         except NoRespondersError:
             return
         except NatsTimeout:
@@ -242,7 +243,7 @@ class WorkerService:
         r.add(ResumeWorker, self._resume, inline=True)
         r.add(SleepWorker, self._sleep)
         r.add(WakeWorker, self._wake_up)
-        r.add(GetStatus, self._status, inline=True)
+        r.add(GetStatus, self._status, inline=True, read=True)
         r.add(JoinTransfer, self._join_transfer)
         r.add(OpenSession, self._open_session, inline=True)
         r.add(ReceiveWeights, self._receive_weights)

@@ -12,14 +12,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 
 import anyio
 import torch
 
 from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget, version_problem
-from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer
+from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer, detached
 from rlbus.transfer.buckets import validate
 from rlbus.transfer.factory import worker_transfer
 from rlbus.transfer.stream import recv_buckets, sole_tensor_bytes, verify
@@ -43,10 +44,56 @@ class _Session:
         self.received: set[str] = set()
         self.checksums: list[list[str]] = []
         """What each receive of this session hashed, in the order the updates arrived."""
+        self.receives: set[anyio.CancelScope] = set()
+        """The receives in flight: abort cancels them (their threads are abandoned)."""
+        self.stopped = False
+        """Aborted: a receive thread still running must not touch the model any more."""
+        self._guard = threading.Lock()  # orders `stopped` against `touched` across the threads
+
+    def touch(self) -> None:
+        """A receive thread is about to write live parameters; refused once aborted."""
+        with self._guard:
+            if self.stopped:
+                raise TransferError(f"session {self.session_id} was aborted")
+            self.touched = True
+
+    def check_live(self) -> None:
+        """A receive thread goes on; refused once aborted."""
+        if self.stopped:
+            raise TransferError(f"session {self.session_id} was aborted")
+
+    def stop(self) -> bool:
+        """Abort: no receive writes the model from now on. True if one already did."""
+        with self._guard:
+            self.stopped = True
+            for scope in self.receives:
+                scope.cancel()
+            return self.touched
+
+
+class _Live(Mapping[str, torch.Tensor]):
+    """The live parameters as a receive's copy destination: each lookup marks the session
+    touched first, and is refused once it was aborted."""
+
+    def __init__(self, s: _Session, live: Mapping[str, torch.Tensor]) -> None:
+        self._s, self._live = s, live
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._live[name]
+        self._s.touch()
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
 
 
 class WeightUpdates:
-    """One per worker. All methods run on the worker's event loop; receives run in threads."""
+    """One per worker. All methods run on the worker's event loop and never block it:
+    joins and receives run in daemon threads, and a group is closed without waiting for
+    them (abort and teardown return at once whatever the data plane is doing)."""
 
     def __init__(self, engine: Engine, backend: Backend | None, mode: UpdateMode) -> None:
         self.engine = engine
@@ -79,13 +126,14 @@ class WeightUpdates:
         self.teardown()
         rx = worker_transfer(init.backend)
         try:
-            await anyio.to_thread.run_sync(rx.join, init, rank, abandon_on_cancel=True)
+            await detached(rx.join, init, rank, name="rlbus-join")
         except TransferError as e:
             rx.close()
             raise FailedPrecondition(f"could not join the weight-transfer group: {e}") from None
         self.rx, self.init = rx, init
 
     def teardown(self) -> None:
+        """Leave the group at once; a receive still pending in it is abandoned, not awaited."""
         if self.rx is not None:
             self.rx.close()
         self.rx = self.init = None
@@ -154,39 +202,49 @@ class WeightUpdates:
         def landing(bucket: BucketMeta, metas: Sequence[ParamMeta]) -> torch.Tensor | None:
             """Receive straight into final memory: the live parameter (in_place, a bucket that
             is exactly one contiguous tensor) or a fresh buffer that becomes the staged copy."""
+            s.check_live()
             if self.mode == "staged":
                 buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
                 staged_buffers.add(buf.data_ptr())
                 return buf
             buf = sole_tensor_bytes(metas, bucket.nbytes, live)
             if buf is not None:
-                s.touched = True
+                s.touch()
             return buf
 
         def sink(name: str, view: torch.Tensor) -> None:
             if self.mode == "in_place":
-                s.touched = True
+                s.touch()
                 if view.data_ptr() != live[name].data_ptr():  # not landed or copied there already
                     live[name].copy_(view)
             else:
+                s.check_live()
                 s.staged[name] = view if view.untyped_storage().data_ptr() in staged_buffers else view.clone()
             s.received.add(name)
 
+        def receive_all() -> list[str]:
+            return recv_buckets(rx, list(params), list(buckets), sink, landing=landing,
+                                into=_Live(s, live) if self.mode == "in_place" else None)
+
+        scope = anyio.CancelScope()
+        s.receives.add(scope)
+
         async def run() -> None:
             try:
-                async with self._recv_lock:
-                    sums[mine] = await anyio.to_thread.run_sync(
-                        lambda: recv_buckets(rx, list(params), list(buckets), sink, landing=landing,
-                                             into=live if self.mode == "in_place" else None),
-                        abandon_on_cancel=True,
-                    )
+                with scope:
+                    async with self._recv_lock:
+                        sums[mine] = await detached(receive_all, name="rlbus-receive")
             except TransferError as e:
                 s.failure = s.failure or e
-                self.teardown()  # a broken group cannot be trusted for the next session
+                if self.rx is rx:
+                    self.teardown()  # a broken group cannot be trusted for the next session
             except Exception as e:  # noqa: BLE001
                 log.exception("receive failed")
                 s.failure = s.failure or e
             finally:
+                s.receives.discard(scope)
+                if scope.cancelled_caught:
+                    s.failure = s.failure or TransferError("the receive was cancelled")
                 s.receiving -= 1
                 if s.receiving == 0:
                     s.done.set()
@@ -222,7 +280,6 @@ class WeightUpdates:
             written = set() if self.mode == "staged" else s.received
             await self.engine.load_weights(s.target, s.staged, written)
         s.staged.clear()
-        release_freed_memory()  # the shadow copy's pages go back to the OS, not to malloc's cache
         if s.target == "main":
             self.engine.dirty = False
             if version is not None:
@@ -231,19 +288,22 @@ class WeightUpdates:
             if version is not None:
                 self.engine.draft_version = version
         self.session = None
+        await detached(release_freed_memory, name="rlbus-trim")  # the shadow copy's pages go back to the OS
 
     def abort(self, session_id: str) -> bool:
-        """Drop the session; True if one was open. A receive still waiting tears the group down."""
+        """Drop the session at once; True if one was open. A receive still waiting is
+        cancelled and its group closed without waiting for it (the group is not reused)."""
         s = self.session
         if s is None or (session_id and session_id != s.session_id):
             return False
+        touched = s.stop()
         if s.receiving:
-            self.teardown()  # unblocks nothing by itself, but the group is not reused
-        if self.mode == "in_place" and s.touched and s.target == "main":
+            self.teardown()
+        if self.mode == "in_place" and touched and s.target == "main":
             self.engine.dirty = True
         s.staged.clear()
         self.session = None
-        release_freed_memory()
+        threading.Thread(target=release_freed_memory, name="rlbus-trim", daemon=True).start()
         return True
 
     def set_version(self, version: str) -> None:

@@ -1,0 +1,111 @@
+"""Idempotency that means it: a command id names one command (op and payload), a retry gets
+the first answer, and that answer outlives a controller restart. The SDK retries through a
+handover (no responders) with the same id."""
+
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import nats
+import pytest
+
+import rlbus
+from rlbus.schemas import FleetAck, Nack, Pause, Resume, Subjects, UpdateWeightVersion, encode, reply_decoder
+from rlbus.services.controller.service import ControllerOptions
+from tests.fleet import fleet_running
+from tests.waiting import eventually
+from tests.weights_helpers import VersionEvents, new_version
+
+WORKERS = ("w0", "w1")
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_server, prefix):
+    async with fleet_running(nats_server.url, prefix, WORKERS) as running:
+        yield running
+
+
+@pytest.fixture
+async def raw(nats_server):
+    nc = await nats.connect(nats_server.url)
+    yield nc
+    await nc.close()
+
+
+async def _send(raw, prefix: str, command) -> object:  # noqa: ANN001
+    op = type(command).__struct_config__.tag
+    msg = await raw.request(Subjects(prefix).control(op), encode(command), timeout=10)
+    return reply_decoder.decode(msg.data)
+
+
+async def test_a_reused_id_for_another_op_is_refused_naming_the_conflict(fleet, raw, prefix):
+    f, rl = fleet
+    cid = uuid.uuid4().hex
+    paused = await _send(raw, prefix, Pause(mode="abort", command_id=cid))
+    assert isinstance(paused, FleetAck) and all(w.paused for w in paused.workers)
+    try:
+        refused = await _send(raw, prefix, Resume(command_id=cid))
+        assert isinstance(refused, Nack) and refused.code == "INVALID_ARGUMENT", refused
+        assert cid in refused.message and "pause" in refused.message
+        assert await rl.is_paused(), "the refused resume must not have run, nor answered as the pause"
+    finally:
+        await rl.resume()
+
+
+async def test_a_reused_id_with_another_payload_is_refused_and_changes_nothing(fleet, raw, prefix):
+    f, rl = fleet
+    cid = uuid.uuid4().hex
+    first, second = new_version("first"), new_version("second")
+    assert isinstance(await _send(raw, prefix, UpdateWeightVersion(new_version=first, command_id=cid)), FleetAck)
+    refused = await _send(raw, prefix, UpdateWeightVersion(new_version=second, command_id=cid))
+    assert isinstance(refused, Nack) and refused.code == "INVALID_ARGUMENT", refused
+    assert await rl.get_weight_version() == first
+
+
+async def test_a_retry_after_a_controller_restart_gets_the_first_answer_and_runs_once(fleet, raw, prefix, nats_server):
+    f, rl = fleet
+    version = new_version("once")
+    command = UpdateWeightVersion(new_version=version, command_id=uuid.uuid4().hex)
+    async with VersionEvents(rl) as events:
+        first = await raw.request(Subjects(prefix).control("update_weight_version"), encode(command), timeout=10)
+        assert await events.wait_for(1) == [version]
+        old_epoch = f.controller.epoch
+        await f.stop(f.controller)
+        new = await f.start_controller(ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=10.0,
+                                                         liveness_timeout_s=1.5))
+        await f.wait_for_workers(WORKERS)
+        assert new.epoch > old_epoch
+        retry = await raw.request(Subjects(prefix).control("update_weight_version"), encode(command), timeout=10)
+        assert retry.data == first.data, "the retry was run again instead of answered from the first run"
+        later = new_version("later")
+        await rl.update_weight_version(later)
+        assert await events.wait_for(2) == [version, later], "the retried version was published twice"
+
+
+async def test_the_sdk_retries_through_a_controller_handover_with_the_same_id(fleet, prefix, caplog):
+    f, rl = fleet
+    caplog.set_level("INFO", logger="rlbus.sdk.client")
+    await rl.pause("abort")
+    await f.stop(f.controller)  # nobody answers rl.control.* now
+    resumed: list[FleetAck] = []
+
+    async def resume() -> None:
+        resumed.append(await rl.resume())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(resume)
+        await eventually(lambda: "resume: no responders" in caplog.text, timeout=5,
+                         what="the client retrying while no controller answers")
+        assert not resumed
+        await f.start_controller(ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=10.0,
+                                                   liveness_timeout_s=1.5))
+        await f.wait_for_workers(WORKERS)
+    assert resumed and not any(w.paused for w in resumed[0].workers)
+    assert not await rl.is_paused()
+
+
+async def test_a_call_gives_up_with_unavailable_once_its_retry_window_passes(nats_server):
+    async with await rlbus.RLClient.connect(nats_server.url, prefix="nobody-" + uuid.uuid4().hex[:6], timeout=10, retry_s=0.5) as rl:
+        with anyio.fail_after(5), pytest.raises(rlbus.Unavailable, match="no responders"):
+            await rl.server_info()
