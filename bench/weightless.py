@@ -21,6 +21,7 @@ class WeightlessEngine:
         self.model_name = model_name
         self.sleep_mode_enabled = sleep_mode_enabled
         self.weight_version = DEFAULT_VERSION
+        self.weight_seq = 0
         self.draft_version: str | None = None
         self.dirty = False
         self.draft_stale = False

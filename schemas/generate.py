@@ -27,6 +27,8 @@ class GenerateReply(Message, frozen=True, kw_only=True, tag="generate_reply"):
     """length: max_tokens reached; abort: ended by pause(mode="abort")."""
     weight_version: str
     """The weight version that produced every token of this reply."""
+    weight_seq: int = 0
+    """Its commit sequence (VersionInfo.seq): how stale a rollout is, by subtraction."""
     draft_version: str | None = None
     logprobs: list[float] | None = None
     proposed: int = 0

@@ -48,6 +48,8 @@ class ServerInfo(Message, frozen=True, kw_only=True, tag="server_info"):
     """AND-aggregated over workers; a backend counts only if every worker has the same one."""
     epoch: int = 0
     weight_version: str = DEFAULT_VERSION
+    weight_seq: int = 0
+    """Commit sequence of the committed version (VersionInfo.seq)."""
     draft_version: str | None = None
     session_id: str | None = None
     controller_id: str = ""
@@ -57,7 +59,13 @@ class VersionInfo(Message, frozen=True, kw_only=True, tag="version"):
     """The committed weight version; also the body of every rl.version event."""
 
     version: str
+    seq: int = 0
+    """Commit sequence of `version`: one more with every commit of the main weights (or
+    update_weight_version). Version strings are free-form; this orders them, so staleness is
+    a subtraction (`current.seq - reply.weight_seq`)."""
     draft_version: str | None = None
+    draft_seq: int = 0
+    """The same for the draft model."""
     epoch: int = 0
     session_id: str | None = None
     workers: int = 0

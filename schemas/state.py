@@ -57,6 +57,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     waiting: int = 0
     """Generation requests queued behind a pause or a sleep."""
     weight_version: str = DEFAULT_VERSION
+    weight_seq: int = 0
+    """Commit sequence of the weights it holds (VersionInfo.seq)."""
     draft_version: str | None = None
     param_bytes: int = 0
     """Bytes of parameter storage resident in the engine (0 when weights sleep)."""

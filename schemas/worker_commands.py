@@ -79,6 +79,8 @@ class Commit(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
     session_id: str
     weight_version: str | None = None
     """None = keep the version string."""
+    seq: int = 0
+    """The commit sequence the committed weights take (of the main or the draft model)."""
 
 
 class AbortSession(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
@@ -89,6 +91,8 @@ class AbortSession(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_u
 
 class SetVersion(WorkerCommand, frozen=True, kw_only=True, tag="update_weight_version"):
     new_version: str
+    seq: int = 0
+    """The commit sequence the version takes."""
 
 
 class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
@@ -96,6 +100,8 @@ class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     stale: it takes no rl.generate traffic until it has received current weights."""
 
     committed_version: str
+    seq: int = 0
+    """Its commit sequence: a worker that holds the committed version takes it."""
 
 
 AnyWorkerCommand = Union[

@@ -216,7 +216,12 @@ class RLClient:
 
     async def get_weight_version(self) -> str:
         """The version every worker holds; an error naming who disagrees otherwise."""
-        return (await self.call(GetWeightVersion(), VersionInfo)).version
+        return (await self.get_weight_version_info()).version
+
+    async def get_weight_version_info(self) -> VersionInfo:
+        """get_weight_version() with its commit sequence (`seq`, ordered: newer is greater),
+        the draft's, and when and by which epoch it was committed."""
+        return await self.call(GetWeightVersion(), VersionInfo)
 
     def watch_versions(self) -> AsyncIterator[VersionInfo]:
         """Yield the committed version first, then each new one. Backed by JetStream KV, so

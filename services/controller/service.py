@@ -75,6 +75,8 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 10.0
     lease_s: float = 5.0
     """Leadership lease: a standby controller takes over this long after the leader's last renewal."""
+    unique_versions: bool = False
+    """Refuse a version string that was committed before (versions stay free-form otherwise)."""
     reply_ttl_s: float = 600.0
     """How long answers of state-changing commands are kept by command id (in KV, across restarts)."""
 
@@ -133,7 +135,7 @@ class ControllerService:
             return
         self.standby_for = None
         self.fleet.epoch = await store.take_epoch()
-        self.updates = Updates(self.fleet, store, await store.version())
+        self.updates = Updates(self.fleet, store, await store.version(), unique_versions=self.opts.unique_versions)
         orphan = await store.session()
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
@@ -236,7 +238,8 @@ class ControllerService:
         this controller does not (an orphan from before a restart)."""
         w = state.worker_id
         out = await self.fleet.send(
-            stamped(Sync, committed_version=self.version.version), [w], timeout=min(5.0, self.opts.command_timeout_s)
+            stamped(Sync, committed_version=self.version.version, seq=self.version.seq), [w],
+            timeout=min(5.0, self.opts.command_timeout_s)
         )
         synced = out.acks.get(w)
         if synced is None:
@@ -323,6 +326,7 @@ class ControllerService:
             capabilities=self.registry.aggregate(),
             epoch=self.epoch,
             weight_version=self.version.version,
+            weight_seq=self.version.seq,
             draft_version=self.version.draft_version,
             session_id=self.updates.session_id,
             controller_id=self.id,

@@ -67,12 +67,24 @@ class StateStore:
     async def put_version(self, info: VersionInfo) -> None:
         await self.kv.put(KvKey.VERSION, encode(info))
 
+    async def committed_seq(self, version: str) -> int | None:
+        """The sequence a version string was committed with, if it ever was (unique_versions)."""
+        raw, _ = await self._get(_committed_key(version))
+        return int(raw) if raw else None
+
+    async def put_committed(self, version: str, seq: int) -> None:
+        await self.kv.put(_committed_key(version), str(seq).encode())
+
     async def session(self) -> str | None:
         raw, _ = await self._get(KvKey.SESSION)
         return raw.decode() if raw else None
 
     async def put_session(self, session_id: str | None) -> None:
         await self.kv.put(KvKey.SESSION, (session_id or "").encode())
+
+
+def _committed_key(version: str) -> str:
+    return f"{KvKey.COMMITTED}.{hashlib.blake2b(version.encode(), digest_size=16).hexdigest()}"
 
 
 def _is_wrong_sequence(e: Exception) -> bool:

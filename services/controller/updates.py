@@ -44,9 +44,11 @@ from .store import StateStore
 
 
 class Updates:
-    def __init__(self, fleet: Fleet, store: StateStore, version: VersionInfo | None = None) -> None:
+    def __init__(self, fleet: Fleet, store: StateStore, version: VersionInfo | None = None, *, unique_versions: bool = False) -> None:
         self.fleet = fleet
         self.store = store
+        self.unique_versions = unique_versions
+        """Refuse a version string that was committed before."""
         self.version = version or VersionInfo(version=DEFAULT_VERSION)
         """The committed version (KV holds it durably)."""
         self.session: S.SessionState = S.Idle()
@@ -198,6 +200,8 @@ class Updates:
         if problem := checksums_problem(cmd.checksums):
             raise InvalidArgument(problem)
         async with self.fleet.lock:
+            if cmd.weight_version is not None:
+                await self._refuse_a_used_version(cmd.weight_version)
             committing = self._advance(S.Finish(version=cmd.weight_version, session_id=cmd.session_id or None)).state
             if not isinstance(committing, S.Committing):
                 raise error_for("INTERNAL", f"finish stepped to {type(committing).__name__}, not Committing")
@@ -211,7 +215,10 @@ class Updates:
                 self._advance(S.Failed(reason=err.message))
                 await self._abort_everywhere(err.message)
                 raise err
-            committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=cmd.weight_version), workers)
+            version = committing.version
+            main = committing.target == "main"
+            seq = (self.version.seq if main else self.version.draft_seq) + 1
+            committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=version, seq=seq), workers)
             if not committed.ok:
                 # prepared workers that did commit keep the new weights; the durable version stays
                 err = committed.error("finish_weight_update (commit)")
@@ -219,14 +226,14 @@ class Updates:
                 await self._abort_everywhere(err.message, [f.worker_id for f in committed.failures])
                 raise err
             self.session = self._advance(S.Committed()).state
-            if committing.target == "main":
+            if main:
                 new = msgspec.structs.replace(
-                    self.version, version=cmd.weight_version or self.version.version,
+                    self.version, version=version or self.version.version, seq=seq,
                     epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
                 )
             else:
                 new = msgspec.structs.replace(
-                    self.version, draft_version=cmd.weight_version or self.version.draft_version,
+                    self.version, draft_version=version or self.version.draft_version, draft_seq=seq,
                     epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
                 )
             await self._commit_version(new)
@@ -234,8 +241,22 @@ class Updates:
         await self.fleet.event("session_committed", workers, new.version, session_id=sid)
         return self.ack(committed)
 
+    async def _refuse_a_used_version(self, version: str) -> None:
+        """With unique_versions on: refuse a version string that was committed before (the
+        session, if any, stays open: finish again with another version, or abort)."""
+        if not self.unique_versions:
+            return
+        seq = await self.store.committed_seq(version)
+        if seq is not None:
+            raise InvalidArgument(
+                f"version {version!r} was committed before (seq {seq}); this controller refuses to reuse a version "
+                "string (unique_versions); pick a new one"
+            )
+
     async def _commit_version(self, info: VersionInfo) -> None:
         """Durable first (KV), then the event: a subscriber never sees a version KV lacks."""
+        if self.unique_versions:
+            await self.store.put_committed(info.version, info.seq)
         await self.store.put_version(info)
         self.version = info
         await self.fleet.nc.publish(self.fleet.subjects.version, encode(info))
@@ -257,12 +278,14 @@ class Updates:
             raise InvalidArgument(problem)
         async with self.fleet.lock:
             self._advance(S.SetVersion())
+            await self._refuse_a_used_version(cmd.new_version)
             workers = self.fleet.ids()
-            out = await self.fleet.send(stamped(SetVersion, new_version=cmd.new_version), workers)
+            seq = self.version.seq + 1
+            out = await self.fleet.send(stamped(SetVersion, new_version=cmd.new_version, seq=seq), workers)
             out.raise_for_failures("update_weight_version")
             await self._commit_version(
                 msgspec.structs.replace(
-                    self.version, version=cmd.new_version, epoch=self.fleet.epoch, session_id=None,
+                    self.version, version=cmd.new_version, seq=seq, epoch=self.fleet.epoch, session_id=None,
                     workers=len(workers), time=time.time(),
                 )
             )

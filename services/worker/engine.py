@@ -48,6 +48,8 @@ class Engine(Protocol):
     def supports_draft_weight_updates(self) -> bool:
         """A draft exists, speculation is on and this engine can update the draft."""
     weight_version: str
+    weight_seq: int
+    """Commit sequence of the weights held (set beside weight_version at every commit)."""
     draft_version: str | None
     dirty: bool
     draft_stale: bool

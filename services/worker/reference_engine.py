@@ -124,6 +124,7 @@ class ReferenceEngine:
         self.stale_draft_policy = stale_draft_policy
         self._draft_updates_supported = draft_updates_supported
         self.weight_version = DEFAULT_VERSION
+        self.weight_seq = 0
         self.draft_version: str | None = DEFAULT_VERSION if self.draft else None
         self.dirty = False
         self.draft_stale = False
@@ -256,7 +257,7 @@ class ReferenceEngine:
         self._refuse_if_unservable()
 
     async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateReply:
-        version, draft_version = self.weight_version, self.draft_version
+        version, seq, draft_version = self.weight_version, self.weight_seq, self.draft_version
         gen = None
         if request.temperature > 0:
             gen = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
@@ -287,6 +288,7 @@ class ReferenceEngine:
             tokens=out,
             finish_reason=finish,  # type: ignore[arg-type]
             weight_version=version,
+            weight_seq=seq,
             draft_version=draft_version if st.rounds else None,
             logprobs=st.logprobs[: len(out)] if request.return_logprobs else None,
             proposed=st.proposed,

@@ -123,6 +123,7 @@ class WorkerService:
             worker_id=self.id,
             **msgspec.structs.asdict(e.status()),
             weight_version=e.weight_version,
+            weight_seq=e.weight_seq,
             draft_version=e.draft_version,
             dirty=e.dirty,
             withheld=self.withheld,
@@ -315,6 +316,7 @@ class WorkerService:
         target = self.updates.session.target if self.updates.session else "main"
         await self.updates.commit(cmd.session_id, cmd.weight_version)
         if target == "main":
+            self.engine.weight_seq = cmd.seq  # no await since the commit: replies see both at once
             await self._withhold(False)  # it holds the committed weights now
         return self.ack()
 
@@ -324,11 +326,15 @@ class WorkerService:
 
     async def _set_version(self, cmd: SetVersion) -> WorkerAck:
         self.updates.set_version(cmd.new_version)
+        self.engine.weight_seq = cmd.seq
         await self._withhold(False)
         return self.ack()
 
     async def _sync(self, cmd: Sync) -> WorkerAck:
-        await self._withhold(self.engine.weight_version != cmd.committed_version)
+        current = self.engine.weight_version == cmd.committed_version
+        if current:
+            self.engine.weight_seq = cmd.seq
+        await self._withhold(not current)
         return self.ack()
 
     async def _withhold(self, behind: bool) -> None:
