@@ -280,6 +280,7 @@ class ControllerService:
 
     async def _resume(self, cmd: Resume) -> FleetAck:
         async with self.fleet.lock:
+            self.updates.refuse_resume()
             out = await self.fleet.send_all(stamped(ResumeWorker), "resume")
         await self.fleet.event("resumed", sorted(out.acks))
         return self.updates.ack(out)

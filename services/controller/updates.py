@@ -90,6 +90,19 @@ class Updates:
             await self.store.put_session(sid)
             self._kv_session = sid
 
+    def refuse_resume(self) -> None:
+        """Nothing uncommitted is served: while a session is open on workers that update in
+        place, generation stays paused until finish or abort."""
+        if isinstance(self.session, S.Idle):
+            return
+        registry = self.fleet.registry
+        in_place = [w for w in registry.ids() if registry.capabilities(w).update_mode == "in_place"]
+        if in_place:
+            raise FailedPrecondition(
+                f"session {self.session_id} is open and workers {in_place} update in place: their weights are "
+                "being overwritten; finish or abort the session before resuming"
+            )
+
     async def weights_sleep(self) -> None:
         """Weights are going to sleep (the caller holds the lock): no session survives that."""
         self._advance(S.SleepWeights())
@@ -162,6 +175,12 @@ class Updates:
                 raise FailedPrecondition(
                     f"weights are asleep on {asleep}; call wake_up(tags=['weights']) first "
                     "(after a level-2 sleep: wake weights -> update -> wake kv_cache)"
+                )
+            serving = [w for w in workers if registry.capabilities(w).update_mode == "in_place" and not registry.state(w).paused]
+            if serving:
+                raise FailedPrecondition(
+                    f"workers {serving} update in place (bytes land in the live weights) and are not paused; "
+                    "pause first (push_weights does), so nothing uncommitted is served"
                 )
             sid = uuid.uuid4().hex[:16]
             step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))

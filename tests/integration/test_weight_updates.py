@@ -427,6 +427,7 @@ async def test_in_place_abort_after_bytes_arrived_leaves_workers_dirty_until_a_p
             assert_holds(f, wid, first)
         assert tokens_of(await generate_all(rl)) == greedy(first)
 
+        await rl.pause("wait")  # in place, bytes land in the live weights: nothing may be served meanwhile
         await rl.start_weight_update()
         await rl.update_weights(second)
         await received_everything(f)
@@ -435,6 +436,7 @@ async def test_in_place_abort_after_bytes_arrived_leaves_workers_dirty_until_a_p
         info = await rl.server_info()
         assert all(w.state.dirty for w in info.workers)
         assert info.weight_version == v1
+        await rl.resume()
         with pytest.raises(rlbus.FailedPrecondition) as err:
             await rl.generate([1, 2, 3], 4)
         assert err.value.code == "FAILED_PRECONDITION"
@@ -455,6 +457,7 @@ async def test_in_place_corrupted_bucket_aborts_and_leaves_workers_dirty(nats_se
     f, rl = await _own_fleet(nats_server, prefix + "inplacebad", weight_transfer_backend="gloo", update_mode="in_place")
     try:
         await rl.init_weight_transfer(timeout_s=10)
+        await rl.pause("wait")
         await rl.start_weight_update()
         sent = await send_corrupted(rl, trained(111), bucket_bytes=4096, bad_bucket=3)
         assert sent > 4  # good buckets before and after the bad one reached the live parameters
@@ -463,6 +466,7 @@ async def test_in_place_corrupted_bucket_aborts_and_leaves_workers_dirty(nats_se
         assert sorted(err.value.workers) == ["w0", "w1"]
         assert all(w.state.dirty for w in (await rl.server_info()).workers)
         assert await first_watched_version(rl) == "default"
+        await rl.resume()
         with pytest.raises(rlbus.FailedPrecondition):
             await rl.generate([1, 2, 3], 4)
 
@@ -471,6 +475,31 @@ async def test_in_place_corrupted_bucket_aborts_and_leaves_workers_dirty(nats_se
         for wid in f.workers:
             assert_holds(f, wid, good)
         assert tokens_of(await generate_all(rl)) == greedy(good)
+    finally:
+        await _close(f, rl)
+
+
+async def test_in_place_nothing_uncommitted_is_served_while_a_session_is_open(nats_server, prefix):
+    f, rl = await _own_fleet(nats_server, prefix + "inplaceopen", weight_transfer_backend="gloo", update_mode="in_place")
+    try:
+        old = await rl.generate([1, 2, 3], 4)
+        await rl.init_weight_transfer(timeout_s=10)
+        with pytest.raises(rlbus.FailedPrecondition, match="not paused"):
+            await rl.start_weight_update()  # a running fleet would serve half-written weights
+        await rl.pause("wait")
+        await rl.start_weight_update()
+        new = trained(121)
+        await rl.update_weights(new)
+        await received_everything(f)
+        with pytest.raises(rlbus.FailedPrecondition, match="finish or abort"):
+            await rl.resume()
+        assert await rl.is_paused()
+        version = new_version("inplace-open")
+        await rl.finish_weight_update(version)
+        await rl.resume()
+        replies = await generate_all(rl)
+        assert all(r.weight_version == version and r.weight_seq == old.weight_seq + 1 for r in replies)
+        assert tokens_of(replies) == greedy(new)
     finally:
         await _close(f, rl)
 
