@@ -108,6 +108,7 @@ async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[
         rl = await fleet.wait_ready()
         rl.timeout = 300
         await rl.init_weight_transfer(timeout_s=120)
+        await rl.pause("abort")  # an in_place fleet serves nothing while its weights are overwritten
         best = dict.fromkeys([*kinds, "rlbus"], float("inf"))
         for rep in range(a.reps + 1):
             took = {k: await anyio.to_thread.run_sync(run) for k, run in kinds.items()}

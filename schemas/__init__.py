@@ -54,6 +54,7 @@ from .state import (
     SLEEP_TAGS,
     Backend,
     Capabilities,
+    FleetState,
     PauseMode,
     SleepTag,
     UpdateMode,

@@ -8,7 +8,7 @@ import msgspec
 
 from .base import Message
 from .codes import ErrorCode
-from .state import DEFAULT_VERSION, Capabilities, WorkerInfo, WorkerState
+from .state import DEFAULT_VERSION, Capabilities, FleetState, WorkerInfo, WorkerState
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +53,8 @@ class ServerInfo(Message, frozen=True, kw_only=True, tag="server_info"):
     draft_version: str | None = None
     session_id: str | None = None
     controller_id: str = ""
+    desired: FleetState = FleetState()
+    """The state every worker is reconciled to (paused, sleeping) as the trainer last set it."""
 
 
 class VersionInfo(Message, frozen=True, kw_only=True, tag="version"):

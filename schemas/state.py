@@ -41,6 +41,20 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     update_mode: UpdateMode = "staged"
 
 
+class FleetState(msgspec.Struct, frozen=True, kw_only=True):
+    """What the trainer asked the fleet to be. The controller keeps it in KV and brings every
+    worker to it before counting it in acks or letting it take generation traffic: a worker
+    that joins, rejoins after a silence, or outlives a controller restart is reconciled."""
+
+    paused: bool = False
+    pause_mode: PauseMode | None = None
+    paused_since: float | None = None
+    """Wall-clock seconds when the fleet was paused (a pause nobody releases shows its age)."""
+    sleep_level: int = 0
+    sleeping_tags: list[SleepTag] = []
+    """Parts asleep; empty = awake."""
+
+
 class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's state as it reports it after every command."""
 

@@ -136,6 +136,8 @@ class KvKey:
     """The open session id, or empty."""
     LEADER = "leader"
     """The leadership lease (services/controller/leadership.py)."""
+    DESIRED = "desired"
+    """The fleet's desired state (a FleetState)."""
     COMMITTED = "committed"
     """`committed.<digest of a version string>`: its commit sequence (unique_versions)."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal, Union
 
 from .base import Message
-from .state import PauseMode, SleepTag, UpdateTarget
+from .state import FleetState, PauseMode, SleepTag, UpdateTarget
 from .tensors import BucketMeta, ParamMeta, TransferInit
 
 
@@ -102,6 +102,12 @@ class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     committed_version: str
     seq: int = 0
     """Its commit sequence: a worker that holds the committed version takes it."""
+    desired: FleetState = FleetState()
+    """The fleet's desired state: the worker pauses, sleeps, resumes or wakes to match it
+    before it takes generation traffic."""
+    liveness_s: float = 3.0
+    """The controller drops a worker silent this long: a worker that finds it was silent
+    longer stops serving until the controller has reconciled it again."""
 
 
 AnyWorkerCommand = Union[

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -318,6 +319,13 @@ def _print_status(info: Any) -> None:
     )
     if info.session_id:
         c.print(f"open update session: {info.session_id}")
+    want = info.desired
+    if want.paused:
+        held = f" for {time.time() - want.paused_since:.0f}s" if want.paused_since else ""
+        c.print(f"fleet paused ({want.pause_mode}){held}: generation waits until someone calls resume (`rlbus resume`)")
+    if want.sleeping_tags:
+        c.print(f"fleet asleep: level {want.sleep_level}, {', '.join(want.sleeping_tags)}")
+    c.print(f"committed version: {info.weight_version} (seq {info.weight_seq})")
 
 
 @main.command()

@@ -23,7 +23,9 @@ from nats.micro.service import Service
 from rlbus.schemas import (
     UNKNOWN_OP_QUEUE,
     Capabilities,
+    SLEEP_TAGS,
     ControllerHello,
+    FleetState,
     FailedPrecondition,
     FleetAck,
     GetServerInfo,
@@ -96,6 +98,8 @@ class ControllerService:
         self._changed = anyio.Event()
         self._last_hello = 0.0
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
+        self.desired = FleetState()
+        """What the trainer asked the fleet to be (kept in KV): every admitted worker is brought to it."""
         self.standby_for: str | None = None
         """While waiting for the lease: the controller that holds it."""
         self.lease_lost = False
@@ -136,6 +140,7 @@ class ControllerService:
         self.standby_for = None
         self.fleet.epoch = await store.take_epoch()
         self.updates = Updates(self.fleet, store, await store.version(), unique_versions=self.opts.unique_versions)
+        self.desired = await store.desired()
         orphan = await store.session()
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
@@ -233,22 +238,31 @@ class ControllerService:
                 await self._drop(w, why or "stopped")
 
     async def _admit(self, caps: Capabilities, state: WorkerState) -> None:
-        """Register an announced worker once it knows the committed version (an older one
-        goes stale and takes no generation traffic), and drop any session it holds that
-        this controller does not (an orphan from before a restart)."""
+        """Register an announced worker once it holds the desired state: it pauses, sleeps,
+        resumes or wakes to match the fleet, and takes no generation traffic while it is
+        behind the committed version (Sync). Under the fleet's lock, so no pause or sleep
+        falls between its sync and its joining. Then drop any session it holds that this
+        controller does not (an orphan from before a restart)."""
         w = state.worker_id
-        out = await self.fleet.send(
-            stamped(Sync, committed_version=self.version.version, seq=self.version.seq), [w],
-            timeout=min(5.0, self.opts.command_timeout_s)
-        )
-        synced = out.acks.get(w)
-        if synced is None:
-            log.warning("worker %s announced itself but did not take the sync: %s", w, out.failures)
-            return
-        if self.registry.join(caps, synced):
+        async with self.fleet.lock:
+            out = await self.fleet.send(
+                stamped(Sync, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
+                        liveness_s=self.opts.liveness_timeout_s),
+                [w], timeout=min(5.0, self.opts.command_timeout_s),
+            )
+            synced = out.acks.get(w)
+            if synced is None:
+                log.warning("worker %s announced itself but did not take the sync: %s", w, out.failures)
+                return
+            joined = self.registry.join(caps, synced)
+        if joined:
             log.info("worker %s joined (%s)", w, caps.model_name)
             self._notify()
             await self.fleet.event("worker_joined", [w])
+        changed = _reconciled(state, synced)
+        if changed:
+            log.info("worker %s reconciled: %s", w, changed)
+            await self.fleet.event("worker_reconciled", [w], changed)
         if synced.withheld:
             await self.fleet.event(
                 "worker_stale", [w],
@@ -272,8 +286,15 @@ class ControllerService:
         self.updates.routes(r)
         return r
 
+    async def _desire(self, **changes: object) -> None:
+        """Record what the trainer asked (before it is carried out: a worker admitted from
+        now on is brought to it)."""
+        self.desired = msgspec.structs.replace(self.desired, **changes)
+        await self.store.put_desired(self.desired)
+
     async def _pause(self, cmd: Pause) -> FleetAck:
         async with self.fleet.lock:
+            await self._desire(paused=True, pause_mode=cmd.mode, paused_since=self.desired.paused_since or time.time())
             out = await self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})")
         await self.fleet.event("paused", sorted(out.acks), cmd.mode)
         return self.updates.ack(out)
@@ -281,6 +302,7 @@ class ControllerService:
     async def _resume(self, cmd: Resume) -> FleetAck:
         async with self.fleet.lock:
             self.updates.refuse_resume()
+            await self._desire(paused=False, pause_mode=None, paused_since=None)
             out = await self.fleet.send_all(stamped(ResumeWorker), "resume")
         await self.fleet.event("resumed", sorted(out.acks))
         return self.updates.ack(out)
@@ -306,6 +328,8 @@ class ControllerService:
                 # all or nothing: wake the workers that did fall asleep
                 await self.fleet.send(stamped(WakeWorker, tags=cmd.tags), list(out.acks))
             out.raise_for_failures(f"sleep(level={cmd.level})")
+            asleep = sorted(set(self.desired.sleeping_tags) | set(cmd.tags or SLEEP_TAGS))
+            await self._desire(sleep_level=max(cmd.level, self.desired.sleep_level), sleeping_tags=asleep)
             if cmd.tags is None or "weights" in cmd.tags:
                 await self.updates.weights_sleep()
             ack = self.updates.ack(out)
@@ -315,6 +339,8 @@ class ControllerService:
     async def _wake_up(self, cmd: WakeUp) -> FleetAck:
         async with self.fleet.lock:
             out = await self.fleet.send_all(stamped(WakeWorker, tags=cmd.tags), "wake_up")
+            asleep = sorted(set(self.desired.sleeping_tags) - set(cmd.tags or SLEEP_TAGS))
+            await self._desire(sleeping_tags=asleep, sleep_level=self.desired.sleep_level if asleep else 0)
         await self.fleet.event("awake", sorted(out.acks), ",".join(cmd.tags or ["all"]))
         return self.updates.ack(out)
 
@@ -331,7 +357,20 @@ class ControllerService:
             draft_version=self.version.draft_version,
             session_id=self.updates.session_id,
             controller_id=self.id,
+            desired=self.desired,
         )
+
+
+def _reconciled(before: WorkerState, after: WorkerState) -> str:
+    """What the sync changed on a worker, for its event ('' when nothing)."""
+    parts = []
+    if before.paused != after.paused:
+        parts.append("paused" if after.paused else "resumed")
+    if set(before.sleeping_tags) != set(after.sleeping_tags):
+        parts.append(f"sleeping {sorted(after.sleeping_tags)}" if after.sleeping_tags else "woken")
+    if after.withheld:
+        parts.append(f"withheld from generation: holds {after.weight_version}")
+    return ", ".join(parts)
 
 
 class _NotLeading:

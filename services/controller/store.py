@@ -15,7 +15,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from rlbus.schemas import DEFAULT_VERSION, KvKey, VersionInfo, encode, version_decoder
+from rlbus.schemas import DEFAULT_VERSION, FleetState, KvKey, VersionInfo, encode, version_decoder
 from rlbus.services.endpoints import StoredReply
 
 log = logging.getLogger("rlbus.controller.store")
@@ -74,6 +74,13 @@ class StateStore:
 
     async def put_committed(self, version: str, seq: int) -> None:
         await self.kv.put(_committed_key(version), str(seq).encode())
+
+    async def desired(self) -> FleetState:
+        raw, _ = await self._get(KvKey.DESIRED)
+        return _desired.decode(raw) if raw else FleetState()
+
+    async def put_desired(self, state: FleetState) -> None:
+        await self.kv.put(KvKey.DESIRED, encode(state))
 
     async def session(self) -> str | None:
         raw, _ = await self._get(KvKey.SESSION)
@@ -134,3 +141,4 @@ class ReplyStore:
 
 
 _stored = msgspec.json.Decoder(StoredReply)
+_desired = msgspec.json.Decoder(FleetState)

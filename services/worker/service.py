@@ -8,6 +8,7 @@ rl.worker.heartbeat and says goodbye on rl.worker.gone when it stops.
 from __future__ import annotations
 
 import logging
+import time
 import anyio
 import msgspec
 from nats.aio.client import Client
@@ -38,6 +39,7 @@ from rlbus.schemas import (
     RLBusError,
     ServiceName,
     SetVersion,
+    Unavailable,
     SleepWorker,
     Subjects,
     Sync,
@@ -99,8 +101,12 @@ class WorkerService:
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self._endpoints = Endpoints(self._tg, f"worker {self.id}")
         self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
-        self.withheld = False
-        """On an older version than the committed one (told by the controller's Sync)."""
+        self.withheld = True
+        """Takes no rl.generate traffic: until a controller has synced it (brought it to the
+        fleet's desired state), while it is behind the committed version, and after it finds
+        it was silent longer than the controller's liveness timeout (it may have been dropped)."""
+        self._liveness_s = 3.0
+        self._last_beat = time.monotonic()
         self._generate_service: Service | None = None
 
     # ---- identity ----------------------------------------------------------------------
@@ -164,7 +170,6 @@ class WorkerService:
             await eps.serve(self._micro.add_group(name=self.subjects.worker_group(self.id)), self._routes(), wrap=self._fenced)
             # No unknown-op catch-all here (the controller has one): it would deliver every
             # command twice on the hot path; an unknown worker op gets NATS' no-responders.
-            await self._serve_generation(True)
             hello = await self.nc.subscribe(self.subjects.controller_hello, cb=self._on_hello)
             await self.nc.flush()
             await self.announce()
@@ -214,9 +219,20 @@ class WorkerService:
             ) from None
         raise FailedPrecondition(f"worker id {self.id!r} is already in use by a live worker; stop it or pick another --id")
 
+    def _silent_too_long(self) -> bool:
+        """The event loop did not run for longer than the liveness timeout (SIGSTOP, a stall):
+        the controller has likely dropped this worker and the fleet may have moved on."""
+        return time.monotonic() - self._last_beat > self._liveness_s
+
     async def _heartbeat(self) -> None:
         while True:
             await anyio.sleep(self.opts.heartbeat_s)
+            if self._silent_too_long() and not self.withheld:
+                log.warning("worker %s was silent %.1fs: no generation until the controller reconciles it",
+                            self.id, time.monotonic() - self._last_beat)
+                await self._withhold(True)
+                await self.announce()
+            self._last_beat = time.monotonic()
             if self.nc.is_connected:
                 try:
                     await self.nc.publish(
@@ -331,6 +347,22 @@ class WorkerService:
         return self.ack()
 
     async def _sync(self, cmd: Sync) -> WorkerAck:
+        """Take the fleet's desired state, then generation traffic if it holds the committed version."""
+        self._liveness_s = cmd.liveness_s
+        self._last_beat = time.monotonic()
+        want, status = cmd.desired, self.engine.status()
+        if want.paused and (not status.paused or status.pause_mode != want.pause_mode):
+            await self.engine.pause(want.pause_mode or "abort")
+        elif not want.paused and status.paused:
+            await self.engine.resume()
+        to_sleep = [t for t in want.sleeping_tags if t not in status.sleeping_tags]
+        if to_sleep:
+            await self.engine.sleep(want.sleep_level or 1, to_sleep)
+            if "weights" in to_sleep:
+                self.updates.abort("")  # no session survives its weights going to sleep
+        to_wake = [t for t in status.sleeping_tags if t not in want.sleeping_tags]
+        if to_wake:
+            await self.engine.wake_up(to_wake)
         current = self.engine.weight_version == cmd.committed_version
         if current:
             self.engine.weight_seq = cmd.seq
@@ -340,7 +372,8 @@ class WorkerService:
     async def _withhold(self, behind: bool) -> None:
         """Withhold this worker from generation while it is behind the committed version."""
         if behind != self.withheld:
-            log.warning("worker %s is %s", self.id, "behind: no generation until current weights arrive" if behind else "current again")
+            log.log(logging.WARNING if behind else logging.INFO, "worker %s %s", self.id,
+                    "withheld: no generation until it holds the committed weights" if behind else "serves generation")
         self.withheld = behind
         await self._serve_generation(not behind)
 
@@ -371,6 +404,10 @@ class WorkerService:
             gen = generate_request_decoder.decode(req.data)
         except DecodeError as e:
             await req.respond_error(UNDECODABLE_STATUS, f"undecodable generate payload: {e}")
+            return
+
+        if self.withheld or self._silent_too_long():  # delivered before it left the queue group
+            await req.respond(encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack()))
             return
 
         async def work() -> bytes:
