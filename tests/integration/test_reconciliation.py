@@ -1,0 +1,133 @@
+"""A worker is brought to the fleet's desired state whenever it (re)joins. One real worker
+process is frozen (SIGSTOP) past the liveness timeout at each step and continued (SIGCONT):
+pause -> drop -> rejoin -> sleep -> drop -> rejoin -> push while it is away -> rejoin. After
+each rejoin it holds the desired state before it is counted, and no generation reply comes from
+it while it is in the wrong state."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rlbus.runners.children import spawn
+from rlbus.runners.local import LocalFleet
+from rlbus.schemas import Subjects
+from rlbus.sdk.client import RLClient
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
+from tests.looplag import LoopLag
+from tests.waiting import eventually
+from tests.weights_helpers import MODEL, generate_all, new_version, trained
+
+LIVENESS_S = 1.0
+PROC = "wp"
+
+
+def _worker_cmd(url: str, prefix: str) -> list[str]:
+    cfg = MODEL
+    return [sys.executable, "-m", "rlbus", "worker", "--nats-url", url, "--prefix", prefix, "--id", PROC,
+            "--weight-transfer-backend", "gloo", "--heartbeat", "0.2",
+            "--vocab-size", str(cfg.vocab_size), "--d-model", str(cfg.d_model), "--n-layers", str(cfg.n_layers),
+            "--n-heads", str(cfg.n_heads), "--max-seq-len", str(cfg.max_seq_len), "--seed", str(cfg.seed)]
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_server, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient, subprocess.Popen]]:
+    subjects = Subjects(prefix=prefix)
+    f = LocalFleet(nats_server.url)
+    await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=5.0, liveness_timeout_s=LIVENESS_S))
+    await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id="w0", subjects=subjects, heartbeat_s=0.2,
+                                                               weight_transfer_backend="gloo"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = spawn(_worker_cmd(nats_server.url, prefix), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=20.0)
+    try:
+        await eventually(lambda: PROC in f.controller.registry, timeout=60, what="the worker process registered")
+        yield f, rl, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            proc.wait(20)
+        await rl.close()
+        await f.close()
+
+
+async def _drop_and_rejoin(f: LocalFleet, proc: subprocess.Popen, while_away=None) -> None:  # noqa: ANN001
+    """Freeze the worker until the controller drops it, run `while_away`, continue it and
+    wait until it is registered again."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        await eventually(lambda: PROC not in f.controller.registry, timeout=10, what="the frozen worker dropped")
+        if while_away is not None:
+            await while_away()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    await eventually(lambda: PROC in f.controller.registry, timeout=15, what="the worker rejoined")
+
+
+def _state(f: LocalFleet):  # noqa: ANN202
+    return f.controller.registry.state(PROC)
+
+
+async def test_a_worker_rejoining_a_paused_fleet_is_paused_before_it_counts(fleet):
+    f, rl, proc = fleet
+    async def pause() -> None:
+        ack = await rl.pause("wait")  # acked by the others only: the frozen worker is not registered
+        assert PROC not in [w.worker_id for w in ack.workers]
+
+    async with LoopLag(bound=0.5):
+        await _drop_and_rejoin(f, proc, pause)
+        assert _state(f).paused and _state(f).pause_mode == "wait"
+        assert await rl.is_paused()
+        info = await rl.server_info()
+        assert info.desired.paused and all(w.state.paused for w in info.workers)
+        await rl.resume()
+        assert not _state(f).paused
+
+
+async def test_a_worker_rejoining_a_sleeping_fleet_falls_asleep(fleet):
+    f, rl, proc = fleet
+    async def sleep() -> None:
+        await rl.pause("abort")
+        await rl.sleep(level=1)
+        await rl.resume()
+
+    async with LoopLag(bound=0.5):
+        await _drop_and_rejoin(f, proc, sleep)
+        assert sorted(_state(f).sleeping_tags) == ["kv_cache", "weights"]
+        assert await rl.is_sleeping()
+        await rl.wake_up()
+        assert not _state(f).sleeping_tags and not await rl.is_sleeping()
+
+
+async def test_a_worker_that_missed_a_push_serves_nothing_until_it_holds_the_committed_weights(fleet):
+    f, rl, proc = fleet
+    version = new_version("while-away")
+
+    async def push() -> None:
+        await rl.push_weights(trained(41), version)
+
+    async with LoopLag(bound=0.5):
+        await _drop_and_rejoin(f, proc, push)
+        assert _state(f).withheld and _state(f).weight_version != version
+        replies = [r for _ in range(3) for r in await generate_all(rl)]
+        assert {r.worker_id for r in replies} == {"w0"}, "a worker behind the committed version served"
+        assert all(r.weight_version == version for r in replies)
+        again = new_version("together")
+        await rl.push_weights(trained(42), again)
+        await eventually(lambda: not _state(f).withheld, what="the worker current again")
+        seen = set()
+        for _ in range(20):
+            reply = await rl.generate([1, 2, 3], 2)
+            assert reply.weight_version == again
+            seen.add(reply.worker_id)
+            if seen == {"w0", PROC}:
+                break
+        assert seen == {"w0", PROC}, "the reconciled worker takes generation traffic again"
