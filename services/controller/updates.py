@@ -74,11 +74,21 @@ class Updates:
     # ---- the session state machine ---------------------------------------------------
 
     def _advance(self, event: S.Event) -> S.Step:
-        """Apply a session event; raise the refusal if the state machine refuses it."""
+        """What the state machine makes of `event` (nothing changes yet); raises its refusal."""
         out = S.step(self.session, event)
         if out.refusal is not None:
             raise error_for(out.refusal.code, out.refusal.message)
         return out
+
+    async def _apply(self, event: S.Event, reason: str) -> S.Step:
+        """Step the machine and do what it says: settle in its new state, and when it closed an
+        open session (abort_workers), tell every worker to drop what it staged."""
+        sid = self.session_id or ""
+        step = self._advance(event)
+        await self._settle(step.state)
+        if step.abort_workers:
+            await self._abort_everywhere(sid, reason)
+        return step
 
     async def _settle(self, state: S.SessionState) -> None:
         """Move to `state` and keep KV's record of the open session in step with it. Compared
@@ -105,22 +115,18 @@ class Updates:
 
     async def weights_sleep(self) -> None:
         """Weights are going to sleep (the caller holds the lock): no session survives that."""
-        self._advance(S.SleepWeights())
-        await self._settle(S.Idle())
+        await self._apply(S.SleepWeights(), "weights went to sleep")
 
-    async def _abort_everywhere(self, reason: str, workers: list[str] | None = None) -> None:
-        sid = self.session_id or ""
-        ids = self.fleet.registry.ids() if workers is None else workers
+    async def _abort_everywhere(self, sid: str, reason: str) -> None:
+        ids = self.fleet.registry.ids()
         if ids:
             await self.fleet.send(stamped(AbortSession, session_id=sid, reason=reason), ids)
-        await self._settle(S.Idle())
         await self.fleet.event("session_aborted", ids, reason, session_id=sid or None)
 
     async def abort_on_loss(self, worker_id: str) -> None:
         async with self.fleet.lock:
             if isinstance(self.session, S.Open):  # Committing is resolved by finish itself
-                self._advance(S.WorkerLost(worker_id))
-                await self._abort_everywhere(f"worker {worker_id} left during the session")
+                await self._apply(S.WorkerLost(worker_id), f"worker {worker_id} left during the session")
 
     async def abort_orphan(self, worker_id: str, session_id: str) -> None:
         """Drop a session a worker holds that this controller does not (from before a restart)."""
@@ -207,8 +213,7 @@ class Updates:
             out = await self.fleet.send(receive(False), workers)
             if not out.ok:
                 err = out.error("update_weights")
-                self._advance(S.Failed(reason=str(err)))
-                await self._abort_everywhere(err.message)
+                await self._apply(S.Failed(reason=err.message), err.message)
                 raise err
             await self._settle(step.state)
             return self.ack(out)
@@ -221,30 +226,27 @@ class Updates:
         async with self.fleet.lock:
             if cmd.weight_version is not None:
                 await self._refuse_a_used_version(cmd.weight_version)
-            committing = self._advance(S.Finish(version=cmd.weight_version, session_id=cmd.session_id or None)).state
+            committing = (await self._apply(S.Finish(version=cmd.weight_version, session_id=cmd.session_id or None), "")).state
             if not isinstance(committing, S.Committing):
                 raise error_for("INTERNAL", f"finish stepped to {type(committing).__name__}, not Committing")
-            self.session = committing
             sid = committing.session_id
             workers = self.fleet.ids()
             prepared = await self.fleet.send(stamped(PrepareCommit, session_id=sid, checksums=cmd.checksums), workers)
             if not prepared.ok:
                 err = prepared.error("finish_weight_update (prepare)")
-                self.session = S.Open(sid, committing.target, committing.epoch)
-                self._advance(S.Failed(reason=err.message))
-                await self._abort_everywhere(err.message)
+                await self._apply(S.Failed(reason=err.message), err.message)
                 raise err
             version = committing.version
             main = committing.target == "main"
             seq = (self.version.seq if main else self.version.draft_seq) + 1
             committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=version, seq=seq), workers)
             if not committed.ok:
-                # prepared workers that did commit keep the new weights; the durable version stays
+                # prepared workers that did commit keep the new weights (their session is closed,
+                # so the abort passes them by); the durable version stays
                 err = committed.error("finish_weight_update (commit)")
-                self.session = self._advance(S.Failed(reason=err.message)).state
-                await self._abort_everywhere(err.message, [f.worker_id for f in committed.failures])
+                await self._apply(S.Failed(reason=err.message), err.message)
                 raise err
-            self.session = self._advance(S.Committed()).state
+            done = self._advance(S.Committed())
             if main:
                 new = msgspec.structs.replace(
                     self.version, version=version or self.version.version, seq=seq,
@@ -255,8 +257,8 @@ class Updates:
                     self.version, draft_version=version or self.version.draft_version, draft_seq=seq,
                     epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
                 )
-            await self._commit_version(new)
-            await self._settle(S.Idle())
+            await self._commit_version(new)  # durable before KV forgets the session
+            await self._settle(done.state)
         await self.fleet.event("session_committed", workers, new.version, session_id=sid)
         return self.ack(committed)
 
@@ -284,10 +286,12 @@ class Updates:
         reason = cmd.reason or "aborted by the trainer"
         async with self.fleet.lock:
             sid = self.session_id
-            self._advance(S.Abort(session_id=cmd.session_id or None))
+            step = self._advance(S.Abort(session_id=cmd.session_id or None))
             workers = self.fleet.ids()
+            await self._settle(step.state)
+            # abort_workers when a session was open; with none open the trainer's abort still
+            # sweeps any session a worker holds (e.g. one a crashed controller left)
             out = await self.fleet.send(stamped(AbortSession, session_id=sid or "", reason=reason), workers)
-            await self._settle(S.Idle())
         if sid:
             await self.fleet.event("session_aborted", workers, reason, session_id=sid)
         return self.ack(out)
