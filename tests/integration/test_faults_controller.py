@@ -154,6 +154,36 @@ async def test_a_controller_killed_mid_session_is_replaced_by_one_that_aborts_th
         assert_holds(f, wid, after)
 
 
+async def test_a_push_whose_controller_is_killed_ends_with_the_fleet_resumed_by_the_next_one(fleet):
+    f, rl, p = fleet
+    committed = "before-push-kill"
+    await rl.push_weights(trained(4), committed)
+    old = f.controller
+    assert old is not None
+    session_open = asyncio.Event()
+
+    async def watch() -> None:
+        await eventually(lambda: old.updates.session_id is not None, timeout=20, what="the push's session open")
+        session_open.set()
+
+    watcher = asyncio.create_task(watch())
+    push = asyncio.create_task(rl.push_weights(trained(5), "never"))
+    await session_open.wait()
+    await watcher
+    await f.kill(old)  # mid-push: the push's resume() must still land, on the next controller
+    new = await f.start_controller(_options(p))
+    await f.wait_for_workers(WORKERS)
+    outcome = await asyncio.gather(push, return_exceptions=True)
+    assert isinstance(outcome[0], rlbus.RLBusError), f"a push whose controller died must fail, got {outcome[0]!r}"
+    assert not await rl.is_paused(), "the fleet stayed paused after the push's controller died"
+    assert not any(w.state().paused for w in f.workers.values())
+    info = await rl.server_info()
+    assert info.controller_id == new.id and not info.desired.paused and info.session_id is None
+    assert info.weight_version == committed
+    reply = await rl.generate([1, 2, 3], 2)
+    assert reply.weight_version == committed
+
+
 # ---- fencing -----------------------------------------------------------------------------------
 
 
