@@ -70,6 +70,10 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     """Generation requests running or frozen (keep mode)."""
     waiting: int = 0
     """Generation requests queued behind a pause or a sleep."""
+    epoch: int = 0
+    """The highest controller epoch it obeyed (its fence); 0 = never commanded."""
+    controller_id: str = ""
+    """The controller that last synced it: with `epoch`, who it answers to."""
     weight_version: str = DEFAULT_VERSION
     weight_seq: int = 0
     """Commit sequence of the weights it holds (VersionInfo.seq)."""

@@ -105,6 +105,8 @@ class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     desired: FleetState = FleetState()
     """The fleet's desired state: the worker pauses, sleeps, resumes or wakes to match it
     before it takes generation traffic."""
+    controller_id: str = ""
+    """The controller syncing it."""
     liveness_s: float = 3.0
     """The controller drops a worker silent this long: a worker that finds it was silent
     longer stops serving until the controller has reconciled it again."""

@@ -12,10 +12,9 @@ import time
 
 import anyio
 import msgspec
-from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
-
 from rlbus.schemas import KvKey
+
+from .store import StateStore
 
 log = logging.getLogger("rlbus.controller.lease")
 
@@ -36,20 +35,17 @@ class LeaseLost(Exception):
 
 
 class Lease:
-    def __init__(self, kv: KeyValue, controller_id: str, lease_s: float = 5.0) -> None:
-        self.kv = kv
+    def __init__(self, store: StateStore, controller_id: str, lease_s: float = 5.0) -> None:
+        self.store = store
         self.controller_id = controller_id
         self.lease_s = lease_s
         self._revision = 0
 
     async def _read(self) -> tuple[LeaseRecord | None, int]:
-        try:
-            e = await self.kv.get(KEY)
-        except KeyNotFoundError:
-            return None, 0
-        if not e.value:  # deleted
-            return None, e.revision or 0
-        return _decoder.decode(e.value), e.revision or 0
+        value, rev = await self.store.get(KEY)
+        if not value:  # absent or deleted
+            return None, rev
+        return _decoder.decode(value), rev
 
     def _record(self) -> bytes:
         return msgspec.json.encode(LeaseRecord(self.controller_id, time.time()))
@@ -61,9 +57,9 @@ class Lease:
             return held
         try:
             if rev:
-                self._revision = await self.kv.update(KEY, self._record(), last=rev)
+                self._revision = await self.store.update(KEY, self._record(), rev)
             else:
-                self._revision = await self.kv.create(KEY, self._record())
+                self._revision = await self.store.create(KEY, self._record())
         except Exception as e:  # lost a race for it
             log.debug("lease race lost: %s", e)
             return (await self._read())[0] or LeaseRecord("unknown", time.time())
@@ -86,7 +82,7 @@ class Lease:
     async def renew(self) -> None:
         """Renew the lease; raise LeaseLost if another controller took it."""
         try:
-            self._revision = await self.kv.update(KEY, self._record(), last=self._revision)
+            self._revision = await self.store.update(KEY, self._record(), self._revision)
         except Exception as e:
             held, _ = await self._read()
             if held is None or held.controller_id != self.controller_id:
@@ -104,10 +100,14 @@ class Lease:
             except Exception as e:  # NATS briefly away: keep trying within the lease
                 log.warning("lease renewal failed: %s", e)
 
+    async def reclaim(self) -> None:
+        """Write this leader's record into a recreated bucket (the state store was lost)."""
+        self._revision = await self.store.create(KEY, self._record())
+
     async def release(self) -> None:
         held, rev = await self._read()
         if held is not None and held.controller_id == self.controller_id:
             try:
-                await self.kv.delete(KEY, last=rev)
+                await self.store.delete(KEY, rev)
             except Exception as e:  # someone else holds it now: nothing to release
                 log.debug("lease release skipped: %s", e)

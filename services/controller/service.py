@@ -125,7 +125,7 @@ class ControllerService:
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
         store = await StateStore.open(self.nc, self.subjects.kv_bucket)
-        lease = Lease(store.kv, self.id, self.opts.lease_s)
+        lease = Lease(store, self.id, self.opts.lease_s)
         async with anyio.create_task_group() as wait:  # standby until the lease is ours, or stop()
 
             async def stop_waiting() -> None:
@@ -141,6 +141,18 @@ class ControllerService:
         self.fleet.epoch = await store.take_epoch()
         self.updates = Updates(self.fleet, store, await store.version(), unique_versions=self.opts.unique_versions)
         self.desired = await store.desired()
+
+        async def write_back() -> None:  # the bucket vanished under a running leader: it knows everything
+            await store.put_epoch(self.fleet.epoch)
+            await store.put_version(self.updates.version)
+            await store.put_desired(self.desired)
+            await store.put_session(self.updates.session_id)
+            await lease.reclaim()
+            await self.fleet.event("state_lost", self.registry.ids(),
+                                   f"the state bucket was lost and recreated; epoch {self.fleet.epoch} and version "
+                                   f"{self.updates.version.version} written back from the running controller")
+
+        store.on_lost = write_back
         orphan = await store.session()
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
@@ -245,9 +257,11 @@ class ControllerService:
         controller does not (an orphan from before a restart)."""
         w = state.worker_id
         async with self.fleet.lock:
+            if state.epoch > self.fleet.epoch or (state.epoch == self.fleet.epoch and state.controller_id not in ("", self.id)):
+                await self._recover_lost_state(state)
             out = await self.fleet.send(
                 stamped(Sync, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
-                        liveness_s=self.opts.liveness_timeout_s),
+                        liveness_s=self.opts.liveness_timeout_s, controller_id=self.id),
                 [w], timeout=min(5.0, self.opts.command_timeout_s),
             )
             synced = out.acks.get(w)
@@ -270,6 +284,21 @@ class ControllerService:
             )
         if synced.session_id and synced.session_id != self.updates.session_id:
             await self.updates.abort_orphan(w, synced.session_id)
+
+    async def _recover_lost_state(self, state: WorkerState) -> None:
+        """A worker obeyed an epoch this controller's store does not know: the state bucket was
+        lost while no controller ran. Take an epoch above every worker's, say so loudly, and
+        publish no version until a push commits one (the committed version is unknown)."""
+        lost_epoch = self.fleet.epoch
+        self.fleet.epoch = await self.store.take_epoch(above=state.epoch)
+        self.updates.forget_version(state.weight_seq)
+        detail = (f"worker {state.worker_id} obeyed epoch {state.epoch} of controller {state.controller_id or '?'} but "
+                  f"the state store gave this controller {lost_epoch}: "
+                  f"the controller state was lost; now epoch {self.fleet.epoch}. The committed version is unknown: "
+                  "workers serve nothing until a push commits one")
+        log.error("%s", detail)
+        await self._hello()  # the others re-announce and are synced under the new epoch
+        await self.fleet.event("state_lost", [state.worker_id], detail)
 
     # ---- handlers ----------------------------------------------------------------------
 

@@ -8,86 +8,155 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoStreamResponseError
 from nats.js.kv import KeyValue
 
-from rlbus.schemas import DEFAULT_VERSION, FleetState, KvKey, VersionInfo, encode, version_decoder
+from rlbus.schemas import DEFAULT_VERSION, FleetState, KvKey, Unavailable, VersionInfo, encode, version_decoder
 from rlbus.services.endpoints import StoredReply
 
 log = logging.getLogger("rlbus.controller.store")
+T = TypeVar("T")
 
 
 class StateStore:
-    """The controller's durable state. Every write is a JetStream KV put (file storage)."""
+    """The controller's durable state. Every write is a JetStream KV put (file storage).
 
-    def __init__(self, kv: KeyValue) -> None:
+    Every call is guarded: a write that finds the bucket gone (deleted, or the server lost its
+    storage) recreates it, lets the controller write back what it holds in memory
+    (`on_lost`), and retries once; any other NATS failure is UNAVAILABLE naming the store,
+    never an untyped NATS exception."""
+
+    def __init__(self, nc: Client, kv: KeyValue, config: KeyValueConfig) -> None:
+        self.nc = nc
         self.kv = kv
+        self.config = config
+        self.on_lost: Callable[[], Awaitable[None]] | None = None
+        """Called once the bucket was recreated after a loss: write back the state."""
+        self._recovering = False
 
     @classmethod
     async def open(cls, nc: Client, bucket: str) -> "StateStore":
-        js = nc.jetstream()
+        config = KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE, description="rlbus controller state")
         try:
-            kv = await js.key_value(bucket)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(
-                KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE, description="rlbus controller state")
-            )
-        return cls(kv)
+            kv = await _open_bucket(nc, config)
+        except Exception as e:  # noqa: BLE001
+            raise Unavailable(f"the state store (KV bucket {bucket}) cannot be opened: {type(e).__name__}: {e}") from None
+        return cls(nc, kv, config)
 
-    async def _get(self, key: str) -> tuple[bytes | None, int]:
+    async def _guard(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
-            e = await self.kv.get(key)
-        except KeyNotFoundError:
-            return None, 0
-        return e.value, e.revision or 0
+            return await call()
+        except NoStreamResponseError:
+            if self._recovering:
+                raise Unavailable(f"the state store (KV bucket {self.config.bucket}) vanished again while recovering") from None
+            await self._recover()
+            return await call()
+        except (KeyWrongLastSequenceError, KeyNotFoundError, Unavailable):
+            raise
+        except Exception as e:  # noqa: BLE001 - a NATS fault: typed, named
+            if _is_wrong_sequence(e):
+                raise
+            raise Unavailable(f"the state store (KV bucket {self.config.bucket}) failed to {what}: {type(e).__name__}: {e}") from None
 
-    async def take_epoch(self) -> int:
-        """Advance the epoch by one with a revision check; two controllers never share one."""
+    async def _recover(self) -> None:
+        log.error("the state store (KV bucket %s) is gone; recreating it and writing back the controller's state",
+                  self.config.bucket)
+        self._recovering = True
+        try:
+            self.kv = await _open_bucket(self.nc, self.config)
+            if self.on_lost is not None:
+                await self.on_lost()
+        finally:
+            self._recovering = False
+
+    async def get(self, key: str) -> tuple[bytes | None, int]:
+        """A key's value and revision; (None, 0) when absent."""
+
+        async def call() -> tuple[bytes | None, int]:
+            try:
+                e = await self.kv.get(key)
+            except KeyNotFoundError:
+                return None, 0
+            return e.value, e.revision or 0
+
+        return await self._guard(f"read {key}", call)
+
+    async def put(self, key: str, value: bytes) -> int:
+        return await self._guard(f"write {key}", lambda: self.kv.put(key, value))
+
+    async def create(self, key: str, value: bytes) -> int:
+        return await self._guard(f"create {key}", lambda: self.kv.create(key, value))
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        return await self._guard(f"update {key}", lambda: self.kv.update(key, value, last=last))
+
+    async def delete(self, key: str, last: int) -> None:
+        await self._guard(f"delete {key}", lambda: self.kv.delete(key, last=last))
+
+    async def take_epoch(self, above: int = 0) -> int:
+        """Advance the epoch by one (and past `above`) with a revision check; two controllers
+        never share one, and it never goes backwards."""
         while True:
-            raw, rev = await self._get(KvKey.EPOCH)
-            new = (int(raw) if raw else 0) + 1
+            raw, rev = await self.get(KvKey.EPOCH)
+            new = max(int(raw) if raw else 0, above) + 1
             try:
                 if rev:
-                    await self.kv.update(KvKey.EPOCH, str(new).encode(), last=rev)
+                    await self.update(KvKey.EPOCH, str(new).encode(), rev)
                 else:
-                    await self.kv.create(KvKey.EPOCH, str(new).encode())
+                    await self.create(KvKey.EPOCH, str(new).encode())
                 return new
-            except (KeyWrongLastSequenceError, Exception) as e:  # lost the race: read again
+            except Exception as e:  # lost the race: read again
                 if not _is_wrong_sequence(e):
                     raise
 
+    async def put_epoch(self, epoch: int) -> None:
+        await self.put(KvKey.EPOCH, str(epoch).encode())
+
     async def version(self) -> VersionInfo:
-        raw, _ = await self._get(KvKey.VERSION)
+        raw, _ = await self.get(KvKey.VERSION)
         return version_decoder.decode(raw) if raw else VersionInfo(version=DEFAULT_VERSION)
 
     async def put_version(self, info: VersionInfo) -> None:
-        await self.kv.put(KvKey.VERSION, encode(info))
+        await self.put(KvKey.VERSION, encode(info))
 
     async def committed_seq(self, version: str) -> int | None:
         """The sequence a version string was committed with, if it ever was (unique_versions)."""
-        raw, _ = await self._get(_committed_key(version))
+        raw, _ = await self.get(_committed_key(version))
         return int(raw) if raw else None
 
     async def put_committed(self, version: str, seq: int) -> None:
-        await self.kv.put(_committed_key(version), str(seq).encode())
+        await self.put(_committed_key(version), str(seq).encode())
 
     async def desired(self) -> FleetState:
-        raw, _ = await self._get(KvKey.DESIRED)
+        raw, _ = await self.get(KvKey.DESIRED)
         return _desired.decode(raw) if raw else FleetState()
 
     async def put_desired(self, state: FleetState) -> None:
-        await self.kv.put(KvKey.DESIRED, encode(state))
+        await self.put(KvKey.DESIRED, encode(state))
 
     async def session(self) -> str | None:
-        raw, _ = await self._get(KvKey.SESSION)
+        raw, _ = await self.get(KvKey.SESSION)
         return raw.decode() if raw else None
 
     async def put_session(self, session_id: str | None) -> None:
-        await self.kv.put(KvKey.SESSION, (session_id or "").encode())
+        await self.put(KvKey.SESSION, (session_id or "").encode())
+
+
+async def _open_bucket(nc: Client, config: KeyValueConfig) -> KeyValue:
+    js = nc.jetstream()
+    try:
+        return await js.key_value(config.bucket)
+    except BucketNotFoundError:
+        try:
+            return await js.create_key_value(config)
+        except Exception:  # noqa: BLE001 - created meanwhile by another controller
+            return await js.key_value(config.bucket)
 
 
 def _committed_key(version: str) -> str:

@@ -52,6 +52,8 @@ class Updates:
         self.version = version or VersionInfo(version=DEFAULT_VERSION)
         """The committed version (KV holds it durably)."""
         self.session: S.SessionState = S.Idle()
+        self.state_lost = False
+        """The durable state was lost: the committed version is unknown until a push commits."""
         self._kv_session: str | None = None
         """The open session KV records."""
 
@@ -112,6 +114,12 @@ class Updates:
                 f"session {self.session_id} is open and workers {in_place} update in place: their weights are "
                 "being overwritten; finish or abort the session before resuming"
             )
+
+    def forget_version(self, seq_seen: int) -> None:
+        """The committed version is unknown (the store was lost): no worker counts as current
+        until a push commits, and the next commit's sequence passes every one seen."""
+        self.state_lost = True
+        self.version = VersionInfo(version=DEFAULT_VERSION, seq=max(self.version.seq, seq_seen))
 
     async def weights_sleep(self) -> None:
         """Weights are going to sleep (the caller holds the lock): no session survives that."""
@@ -258,6 +266,7 @@ class Updates:
                     epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
                 )
             await self._commit_version(new)  # durable before KV forgets the session
+            self.state_lost = False
             await self._settle(done.state)
         await self.fleet.event("session_committed", workers, new.version, session_id=sid)
         return self.ack(committed)
@@ -300,6 +309,11 @@ class Updates:
         if problem := version_problem(cmd.new_version):
             raise InvalidArgument(problem)
         async with self.fleet.lock:
+            if self.state_lost:
+                raise FailedPrecondition(
+                    "the controller state was lost, so which weights the workers hold is not known: push weights "
+                    "(push_weights) to commit a version before renaming it"
+                )
             self._advance(S.SetVersion())
             await self._refuse_a_used_version(cmd.new_version)
             workers = self.fleet.ids()

@@ -106,6 +106,8 @@ class WorkerService:
         fleet's desired state), while it is behind the committed version, and after it finds
         it was silent longer than the controller's liveness timeout (it may have been dropped)."""
         self._liveness_s = 3.0
+        self.controller_id = ""
+        """The controller that last synced this worker."""
         self._last_beat = time.monotonic()
         self._generate_service: Service | None = None
 
@@ -128,6 +130,8 @@ class WorkerService:
         return WorkerState(
             worker_id=self.id,
             **msgspec.structs.asdict(e.status()),
+            epoch=self.epoch,
+            controller_id=self.controller_id,
             weight_version=e.weight_version,
             weight_seq=e.weight_seq,
             draft_version=e.draft_version,
@@ -247,7 +251,10 @@ class WorkerService:
         except DecodeError:
             return
         if isinstance(hello, ControllerHello):
-            self.epoch = max(self.epoch, hello.epoch)
+            if hello.epoch > self.epoch:  # a newer controller: fence the older one out at once
+                self.epoch, self.controller_id = hello.epoch, hello.controller_id
+            # an equal epoch from another controller is not adopted: announcing (epoch, controller)
+            # as they are tells that controller its epoch was already used (its state was lost)
             await self.announce()
 
     # ---- commands ----------------------------------------------------------------------
@@ -350,6 +357,7 @@ class WorkerService:
         """Take the fleet's desired state, then generation traffic if it holds the committed version."""
         self._liveness_s = cmd.liveness_s
         self._last_beat = time.monotonic()
+        self.controller_id = cmd.controller_id
         want, status = cmd.desired, self.engine.status()
         if want.paused and (not status.paused or status.pause_mode != want.pause_mode):
             await self.engine.pause(want.pause_mode or "abort")
