@@ -122,11 +122,14 @@ async def test_pause_and_resume_commands_change_the_fleet_state(up):
     assert all(f"{w}: paused=True(keep)" in paused.stdout for w in WORKERS), paused.stdout
     async with await RLClient.connect(up.url, timeout=10.0) as rl:
         assert await rl.is_paused()
+        held = _rlbus("status", "--nats-url", up.url)
+        assert "fleet paused (keep)" in held.stdout, held.stdout  # a pause nobody releases is visible
 
         resumed = _rlbus("resume", "--nats-url", up.url)
         assert resumed.returncode == 0, resumed.stderr
         assert all(f"{w}: paused=False" in resumed.stdout for w in WORKERS), resumed.stdout
         assert not await rl.is_paused()
+        assert "fleet paused" not in _rlbus("status", "--nats-url", up.url).stdout
 
 
 def test_version_command_shows_and_sets_the_fleet_version(up):
