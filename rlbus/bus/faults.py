@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from rlbus.schemas import UNDECODABLE_STATUS, ErrorCode, Nack, RLBusError, WorkerFailure, error_for, reply_decoder
@@ -41,6 +41,8 @@ def fault_of(e: BaseException, *, who: str, op: str, timeout: float, hint: str =
     controller", "worker w0"); `hint` says how to fix a missing one."""
     if isinstance(e, NoRespondersError):
         return Fault("UNAVAILABLE", f"no responders to {op} ({who} is not running)" + (f"; {hint}" if hint else ""))
+    if isinstance(e, MaxPayloadError):
+        return Fault("INVALID_ARGUMENT", f"{op} to {who} is larger than the NATS server's max_payload: {e}")
     if isinstance(e, (NatsTimeout, TimeoutError)):
         return Fault("DEADLINE_EXCEEDED", f"no answer to {op} from {who} within {timeout:g}s")
     return Fault("UNAVAILABLE", f"{op} to {who} failed: {type(e).__name__}: {e}")

@@ -69,7 +69,7 @@ class RLClient:
         deadline; a retry resends the same command id, so it runs once."""
         """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
         self._owns = owns_connection
-        self.push = WeightPush(self.call, timeout)
+        self.push = WeightPush(self.call, timeout, lambda: self.nc.max_payload)
         """The trainer's side of update sessions: transfer group, packing buffers, checksums."""
 
     @classmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Awaitable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -23,6 +23,7 @@ from rlbus.schemas import (
     FinishWeightUpdate,
     FleetAck,
     InitWeightTransfer,
+    InvalidArgument,
     ParamMeta,
     RLBusError,
     ServerInfo,
@@ -31,6 +32,7 @@ from rlbus.schemas import (
     Unavailable,
     UpdateTarget,
     UpdateWeights,
+    encode,
 )
 
 if TYPE_CHECKING:
@@ -47,8 +49,12 @@ T = TypeVar("T")
 # 128 MiB 0.8-0.97x with one, 0.76-0.88x with two); nccl amortises its launches.
 BUCKET_BYTES: dict[str, int] = {"gloo": 16 << 20, "shm": 128 << 20, "nccl": 256 << 20}
 
-# NATS' default max_payload is 1 MiB; metadata messages are split well below it.
-MAX_META_BYTES = 512 * 1024
+META_HEADROOM = 4096
+"""Bytes of a metadata message kept for what the controller adds when it forwards it to the
+workers (session id, epoch, command id)."""
+
+PARAM_META_BOUND = 160
+"""An upper bound of one ParamMeta's encoded size beside its name and shape."""
 
 
 class Call(Protocol):
@@ -60,9 +66,11 @@ class Call(Protocol):
 class WeightPush:
     """One per client. Not safe for two sessions at once: the controller refuses a second one."""
 
-    def __init__(self, call: Call, timeout: float) -> None:
+    def __init__(self, call: Call, timeout: float, max_payload: Callable[[], int]) -> None:
         self._call = call
         self._timeout = timeout
+        self._max_payload = max_payload
+        """The NATS server's limit on one message (read from the connection)."""
         self.transfer: TrainerTransfer | None = None
         """The trainer's side of the group (rank 0); None until init_weight_transfer()."""
         self.init: TransferInit | None = None
@@ -170,7 +178,15 @@ class WeightPush:
         # overlapping the wire, and the host never holds more than the two scratch buckets.
         named = [(n, t.detach()) for n, t in named_tensors]
         size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self.init.backend if self.init else "gloo"]
-        plan = prepare(named, size)
+        limit = self._max_payload() - META_HEADROOM
+        biggest = max((_meta_bound(n, t) for n, t in named), default=0)
+        if biggest > limit:
+            name = max(named, key=lambda nt: _meta_bound(*nt))[0]
+            raise InvalidArgument(
+                f"the metadata of tensor {name[:80]!r} alone is ~{biggest} bytes, over the NATS server's max_payload "
+                f"({self._max_payload()} bytes, less {META_HEADROOM} of headroom); shorten its name or raise max_payload"
+            )
+        plan = prepare(named, size, max_tensors=max(1, limit // max(biggest, 1)))
         # A transport that shares the trainer's memory (shm) hands out the scratch buffers
         # itself: every bucket is packed there and workers copy straight out of it.
         every = packs_every_bucket(tx)
@@ -178,7 +194,7 @@ class WeightPush:
         if self._scratch_of is not tx or min((b.numel() for b in self.scratch), default=-1) < need:
             self.scratch, self._scratch_of = scratch_pair(tx, need), tx
         ack: FleetAck | None = None
-        for first, last in meta_chunks(plan.per_bucket):
+        for first, last in meta_chunks(plan.per_bucket, limit):
             params = [msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in plan.per_bucket[k]]
             buckets = [msgspec.structs.replace(b, index=b.index - first) for b in plan.buckets[first:last]]
             ack = await self._call(UpdateWeights(params=params, buckets=buckets), FleetAck)
@@ -203,14 +219,19 @@ class WeightPush:
         return ack
 
 
-def meta_chunks(per_bucket: list[list[ParamMeta]]) -> Iterator[tuple[int, int]]:
-    """Consecutive bucket ranges whose metadata stays under the message size limit."""
-    first, size = 0, 0
+def _meta_bound(name: str, t: torch.Tensor) -> int:
+    return PARAM_META_BOUND + len(name.encode()) + 21 * t.dim()
+
+
+def meta_chunks(per_bucket: list[list[ParamMeta]], limit: int) -> Iterator[tuple[int, int]]:
+    """Consecutive bucket ranges whose encoded metadata stays under `limit` bytes (a bucket
+    whose metadata alone passes it is the planner's to prevent: see max_tensors)."""
+    first, size = 0, 200
     for k, metas in enumerate(per_bucket):
-        cost = 200 + sum(120 + len(m.name) + 12 * len(m.shape) for m in metas)
-        if k > first and size + cost > MAX_META_BYTES:
+        cost = 64 + sum(len(encode(m)) + 1 for m in metas)
+        if k > first and size + cost > limit:
             yield first, k
-            first, size = k, 0
+            first, size = k, 200
         size += cost
     if per_bucket:
         yield first, len(per_bucket)

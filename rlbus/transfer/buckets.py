@@ -68,7 +68,8 @@ SOLO_FRACTION = 2
 """A tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own."""
 
 
-def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[ParamMeta], list[int]]:
+def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
+         max_tensors: int | None = None) -> tuple[list[ParamMeta], list[int]]:
     """Assign every tensor a 64-byte-aligned range in a bucket.
 
     A tensor of at least half a bucket travels alone, in a bucket of exactly its size
@@ -77,6 +78,7 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[
     it is never copied and never splits a shared bucket. The smaller tensors are packed,
     in input order, into shared buckets of at most ``bucket_bytes``. Returns the ParamMeta
     list (input order) and the byte size of every bucket (numbered in order of first use).
+    ``max_tensors`` caps the tensors of a shared bucket, so its metadata fits one message.
     """
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -85,6 +87,7 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[
     seen: set[str] = set()
     shared: int | None = None  # index of the open shared bucket
     end = 0  # bytes used in it
+    count = 0  # tensors in it
 
     def close() -> None:
         nonlocal shared
@@ -104,11 +107,12 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[
             sizes.append(nbytes)  # exactly the tensor: sent from it and landed in it as they are
             continue
         offset = align_up(end)
-        if shared is not None and offset + nbytes > bucket_bytes:
+        if shared is not None and (offset + nbytes > bucket_bytes or (max_tensors is not None and count >= max_tensors)):
             close()
         if shared is None:
-            shared, offset = len(sizes), 0
+            shared, offset, count = len(sizes), 0, 0
             sizes.append(0)
+        count += 1
         metas.append(ParamMeta(name=name, dtype=dtype, shape=shape, bucket=shared, offset=offset, nbytes=nbytes))
         end = offset + nbytes
     close()

@@ -78,9 +78,10 @@ class Packed:
     checksums: list[str]
 
 
-def prepare(named: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
-    """Plan the buckets for ``named`` (input order, 64-byte aligned)."""
-    params, sizes = plan(named, bucket_bytes)
+def prepare(named: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_tensors: int | None = None) -> Plan:
+    """Plan the buckets for ``named`` (input order, 64-byte aligned); ``max_tensors`` caps
+    the tensors of one shared bucket (so its metadata fits one control message)."""
+    params, sizes = plan(named, bucket_bytes, max_tensors)
     return Plan(params=params, bucket_sizes=sizes, per_bucket=by_bucket(params, len(sizes)))
 
 

@@ -191,7 +191,8 @@ async def test_an_update_split_into_several_metadata_messages_commits_with_every
     f, rl = fleet
     if not rl.transfer_ready:
         await rl.init_weight_transfer(timeout_s=10)
-    monkeypatch.setattr(rlbus.sdk.push, "MAX_META_BYTES", 2000)  # a few tensors per UpdateWeights
+    # leave 1000 bytes of the server's max_payload to each metadata message: a few tensors each
+    monkeypatch.setattr(rlbus.sdk.push, "META_HEADROOM", rl.nc.max_payload - 1000)
     named = trained(67)
     await rl.start_weight_update()
     await rl.update_weights(named, bucket_bytes=4096)
@@ -200,6 +201,20 @@ async def test_an_update_split_into_several_metadata_messages_commits_with_every
     await rl.finish_weight_update(new_version("split"))
     for wid in f.workers:
         assert_holds(f, wid, named)
+
+
+@over_one_backend
+async def test_a_tensor_whose_metadata_cannot_fit_one_message_is_invalid_argument_and_changes_nothing(fleet):
+    f, rl = fleet
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=10)
+    await rl.start_weight_update()
+    try:
+        with pytest.raises(rlbus.InvalidArgument, match="max_payload"):
+            await rl.update_weights([("x" * rl.nc.max_payload, torch.zeros(2))])
+        assert all(s.updates.session is not None and not s.updates.session.received for s in f.workers.values())
+    finally:
+        await rl.abort_weight_update("test over")
 
 
 @over_one_backend
