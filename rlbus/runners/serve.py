@@ -49,11 +49,14 @@ async def serve(
         svc = await svc
     denied: list[str] = []
     refused: list[RLBusError] = []
+    running = anyio.CancelScope()
 
     def on_denied(action: str, subject: str) -> None:
         log.error("%s: NATS denies %s to %s; check this service's credentials and role. Stopping.", name, action, subject)
         denied.append(subject)
         svc.stop()
+        # whatever the service waits on (a JetStream call would only time out) ends now
+        running.cancel()
 
     denials_of(nc).on_denied = on_denied
     async with anyio.create_task_group() as tg:
@@ -66,11 +69,13 @@ async def serve(
                     return
 
         tg.start_soon(on_signal)
-        try:
-            await svc.run()
-        except RLBusError as e:  # refused to start (e.g. its worker id is taken): say why, exit 1
-            log.error("%s: %s", name, e)
-            refused.append(e)
+        with running:
+            try:
+                await svc.run()
+            except RLBusError as e:  # refused to start (e.g. its worker id is taken): say why, exit 1
+                if not denied:
+                    log.error("%s: %s", name, e)
+                refused.append(e)
         tg.cancel_scope.cancel()
     await drain(nc)
     if denied:

@@ -181,6 +181,19 @@ def test_a_service_started_with_the_wrong_role_exits_2_naming_the_subject(secure
     assert "denies" in proc.stderr or "denied" in proc.stderr.lower()
 
 
+def test_a_controller_started_with_a_workers_credentials_exits_2_naming_the_jetstream_subject(secure, fleet):
+    server, creds = secure
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlbus", "controller", "--nats-url", server.url, "--prefix", "rlx"],
+        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["worker"]),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "$js.api" in proc.stderr.lower() and "denies" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 4.5, "the denial must end the process, not a JetStream timeout (5 s)"
+
+
 def test_nats_config_cli_writes_private_files_a_server_accepts(tmp_path):
     out = tmp_path / "conf"
     result = subprocess.run(
