@@ -99,7 +99,7 @@ class WeightPush:
         self, info: ServerInfo, backend: Backend | None, master_addr: str | None, timeout_s: float
     ) -> FleetAck:
         """Open rank 0 of a new group while every worker in `info` joins it."""
-        from rlbus.transfer.base import TransferError
+        from rlbus.transfer.base import TransferError, detached
         from rlbus.transfer.factory import trainer_transfer
 
         master_addr = master_addr or os.environ.get("RLBUS_MASTER_ADDR", "127.0.0.1")
@@ -125,7 +125,7 @@ class WeightPush:
 
         async def open_side() -> None:
             try:
-                await anyio.to_thread.run_sync(tx.open, init, abandon_on_cancel=True)
+                await detached(tx.open, init, name="rlbus-open")
             except BaseException as e:  # noqa: BLE001
                 failure.append(e)
             opened.set()
@@ -168,7 +168,7 @@ class WeightPush:
         """Metadata through the controller (every worker checks names, dtypes and shapes
         first), then the bytes out-of-band in checksummed buckets, each packed and hashed
         while the one before it is on the wire."""
-        from rlbus.transfer.base import TransferError
+        from rlbus.transfer.base import TransferError, detached
         from rlbus.transfer.stream import packs_every_bucket, prepare, scratch_bytes, scratch_pair, send_stream
 
         tx = self.transfer
@@ -199,9 +199,9 @@ class WeightPush:
             buckets = [msgspec.structs.replace(b, index=b.index - first) for b in plan.buckets[first:last]]
             ack = await self._call(UpdateWeights(params=params, buckets=buckets), FleetAck)
             try:
-                self.checksums += await anyio.to_thread.run_sync(
+                self.checksums += await detached(
                     lambda: send_stream(tx, plan, named, first=first, last=last, scratch=self.scratch, pack_every_bucket=every),
-                    abandon_on_cancel=True,
+                    name="rlbus-send",
                 )
             except TransferError as e:
                 self.close()

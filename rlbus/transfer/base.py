@@ -1,13 +1,18 @@
 """What a transfer backend is: the trainer and worker protocols, handles, typed errors.
 
 Every call here is a plain blocking function: services run them in a thread they
-own, never on the event loop. No call may block forever: every wait is bounded by
-``TransferInit.timeout_s``.
+own (:func:`detached`), never on the event loop. No call may block forever: every wait
+is bounded by ``TransferInit.timeout_s``. ``close`` never waits for a transfer in flight:
+that transfer is abandoned (it fails, or times out, on its own), so an abort is instant
+whatever the data plane is doing.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -80,7 +85,8 @@ class TrainerTransfer(Protocol):
         ...
 
     def close(self) -> None:
-        """Tear the group down. Never hangs; safe to call twice or after a failure."""
+        """Tear the group down and return at once, whatever is in flight (a pending
+        send fails or is abandoned); safe to call twice or after a failure."""
         ...
 
 
@@ -115,7 +121,9 @@ class WorkerTransfer(Protocol):
         ...
 
     def close(self) -> None:
-        """Leave the group. Never hangs; safe to call twice or after a failure."""
+        """Leave the group and return at once, whatever is in flight (a pending receive
+        fails or is abandoned: its buffer may still be written until it ends); safe to
+        call twice or after a failure."""
         ...
 
 
@@ -155,3 +163,36 @@ def timeout_error(init: TransferInit, what: str, cause: BaseException | None = N
         return TransferTimeout(f"{what} timed out after {init.timeout_s}s in group {init.group_name!r}"
                                + (f": {cause}" if cause else ""))
     return TransferError(text)
+
+
+T = TypeVar("T")
+
+
+async def detached(fn: Callable[..., T], *args: object, name: str = "rlbus-transfer") -> T:
+    """Run a blocking transfer call in a daemon thread of its own and await its result.
+
+    Cancelling the await abandons the call: it goes on until it ends (every call is
+    bounded by ``timeout_s``, and closing its group makes it fail sooner), but nothing
+    waits for it, not even interpreter exit, as it would for a thread of a pool."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: object) -> None:
+        if not result.done():  # the awaiting task may have been cancelled
+            if ok:
+                result.set_result(value)  # type: ignore[arg-type]
+            else:
+                result.set_exception(value)  # type: ignore[arg-type]
+
+    def body() -> None:
+        try:
+            ok, value = True, fn(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting task
+            ok, value = False, e
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop is closed: nobody awaits this any more
+            pass
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return await result

@@ -10,6 +10,7 @@ into a GPU buffer, then copy to the caller's CPU buffer.
 from __future__ import annotations
 
 import ipaddress
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal
@@ -75,6 +76,9 @@ class _Group:
         self._raw: dist.TCPStore | None = None
         self._init: TransferInit | None = None
         self._sent = 0
+        self._works: list[dist.Work] = []
+        """Collectives started and maybe not finished: close abandons a group that has one."""
+        self._lock = threading.Lock()  # a collective starting vs close, across threads
 
     @property
     def device(self) -> torch.device:
@@ -117,34 +121,59 @@ class _Group:
 
     def _broadcast(self, tensor: torch.Tensor, what: str, keep: object = None,
                    after: Callable[[], None] | None = None) -> Handle:
-        assert self._init is not None
-        try:
-            work = self._pg.broadcast([tensor], _root0())
-        except TransferError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise timeout_error(self._init, what, e) from e
-        return _WorkHandle(work, self._init, what, keep=keep, after=after)
+        with self._lock:
+            init = self._init
+            try:
+                work = self._pg.broadcast([tensor], _root0())
+            except TransferError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                assert init is not None
+                raise timeout_error(init, what, e) from e
+            assert init is not None
+            self._works = [w for w in self._works if not w.is_completed()] + [work]
+        return _WorkHandle(work, init, what, keep=keep, after=after)
 
     def _next(self) -> int:
         self._sent += 1
         return self._sent - 1
 
     def close(self) -> None:
-        """Drop the group and the store. An nccl group is aborted so no kernel lingers."""
-        pg, self._pg = self._pg, _NotOpen()
-        if not isinstance(pg, _NotOpen) and self.backend == "nccl":
-            for stop in ("abort", "shutdown"):
-                fn = getattr(pg, stop, None)
-                if fn is not None:
-                    try:
-                        fn()
-                        break
-                    except Exception:  # noqa: BLE001 - best effort teardown
-                        continue
-        del pg
-        self._store = self._raw = None
-        self._init = None
+        """Drop the group and the store at once, never waiting for a collective.
+
+        Destroying a process group joins its threads, and those wait for a pending
+        collective (until the peer closes or ``timeout_s`` passes). So a group with a
+        collective in flight is abandoned to a daemon thread that destroys it: the caller
+        returns at once, a new group can be formed meanwhile, and the process can exit
+        meanwhile. An idle group is destroyed here (quickly), so a process that closes
+        and exits leaves no thread behind."""
+        with self._lock:
+            busy = any(not w.is_completed() for w in self._works)
+            box = [self._pg, self._store, self._raw]  # the only references left: _destroy takes them
+            self._pg, self._store, self._raw, self._init, self._works = _NotOpen(), None, None, None, []
+        if isinstance(box[0], _NotOpen):
+            return
+        if busy:
+            threading.Thread(target=_destroy, args=(box, self.backend), name="rlbus-close-group", daemon=True).start()
+        else:
+            _destroy(box, self.backend)
+
+
+def _destroy(box: list[object], backend: TorchBackend) -> None:
+    """Destroy the group in ``box[0]``; an nccl group is aborted first so no kernel lingers.
+    This call empties ``box``, so the group's last reference dies in it, on its thread."""
+    pg = box[0]
+    box.clear()
+    if backend == "nccl":
+        for stop in ("abort", "shutdown"):
+            fn = getattr(pg, stop, None)
+            if fn is not None:
+                try:
+                    fn()
+                    break
+                except Exception:  # noqa: BLE001 - best effort teardown
+                    continue
+    del pg  # joins the group's threads, which wait for a pending collective
 
 
 def _name(opts: object, init: TransferInit) -> None:

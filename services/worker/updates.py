@@ -29,6 +29,9 @@ from .engine import Engine
 
 log = logging.getLogger("rlbus.worker.updates")
 
+MAX_NAMED_PROBLEMS = 20
+"""A refusal names this many mismatched tensors at most: its reply must fit one NATS message."""
+
 
 class _Session:
     def __init__(self, session_id: str, target: UpdateTarget) -> None:
@@ -42,6 +45,9 @@ class _Session:
         self.done = anyio.Event()
         self.done.set()
         self.received: set[str] = set()
+        self.verified = False
+        """prepare() found every receive done and every checksum matching; a receive after it
+        makes it false again, and commit() requires it."""
         self.checksums: list[list[str]] = []
         """What each receive of this session hashed, in the order the updates arrived."""
         self.receives: set[anyio.CancelScope] = set()
@@ -179,7 +185,9 @@ class WeightUpdates:
             elif tuple(m.shape) != tuple(spec.shape):
                 problems.append(f"{m.name} (shape {list(m.shape)}, model has {list(spec.shape)})")
         if problems:
-            raise InvalidArgument(f"{len(problems)} tensors do not match the {s.target} model: " + ", ".join(problems))
+            shown = ", ".join(problems[:MAX_NAMED_PROBLEMS])
+            more = f", and {len(problems) - MAX_NAMED_PROBLEMS} more" if len(problems) > MAX_NAMED_PROBLEMS else ""
+            raise InvalidArgument(f"{len(problems)} tensors do not match the {s.target} model: {shown}{more}")
 
     def receive(self, session_id: str, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], tg) -> None:  # noqa: ANN001
         """Start receiving (checked) tensors in the background; prepare() waits for it."""
@@ -193,6 +201,7 @@ class WeightUpdates:
         if s.receiving == 0:
             s.done = anyio.Event()
         s.receiving += 1
+        s.verified = False
         sums = s.checksums
         sums.append([])
         mine = len(sums) - 1
@@ -268,14 +277,15 @@ class WeightUpdates:
             raise Aborted(f"checksum mismatch: {s.failure}")
         if s.failure is not None:
             raise Aborted(f"receiving weights failed: {type(s.failure).__name__}: {s.failure}")
+        s.verified = True
 
     async def commit(self, session_id: str, version: str | None) -> None:
         """Phase 2 of finish: apply staged tensors, take the version, close the session."""
         s = self._open(session_id)
         if version is not None and (problem := version_problem(version)):
             raise InvalidArgument(problem)
-        if s.receiving or s.failure is not None:
-            raise Internal("commit before a successful prepare")
+        if s.receiving or s.failure is not None or not s.verified:
+            raise Internal("commit before a successful prepare: nothing unverified is applied")
         if s.staged or s.received:
             written = set() if self.mode == "staged" else s.received
             await self.engine.load_weights(s.target, s.staged, written)

@@ -149,8 +149,6 @@ async def test_commit_for_another_session_id_is_refused_and_the_open_session_sta
     assert updates.engine.weight_version == "default"
 
 
-@pytest.mark.xfail(strict=True, reason="commit() refuses only a receive still running or failed; it does not "
-                                       "know whether prepare() verified the checksums")
 async def test_commit_of_received_bytes_without_a_prepare_is_refused():
     updates = worker()
     before = engine_snapshot(updates.engine)
