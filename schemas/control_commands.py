@@ -19,6 +19,9 @@ class ControlCommand(Message, frozen=True, kw_only=True):
 
     command_id: str = ""
     """Set by the sender; a retried command with the same id runs once."""
+    timeout_s: float | None = None
+    """How long the sender waits for the answer. The controller gives up no later (DEADLINE_EXCEEDED)
+    and undoes what it started, so its lock is free for the sender's cleanup. None = no bound."""
 
 
 class Pause(ControlCommand, frozen=True, kw_only=True, tag="pause"):
@@ -74,6 +77,9 @@ class UpdateWeights(ControlCommand, frozen=True, kw_only=True, tag="update_weigh
     buckets: list[BucketMeta] = []
     session_id: str | None = None
     """None = the open session; a named one must be it."""
+    group: str = ""
+    """The transfer group (TransferInit.group_name) the bytes will be sent on; refused when the
+    fleet has joined another one since (another trainer's init). Empty = not checked."""
 
 
 class FinishWeightUpdate(ControlCommand, frozen=True, kw_only=True, tag="finish_weight_update"):

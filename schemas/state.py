@@ -88,6 +88,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     """The open weight-update session, if any."""
     transfer_ready: bool = False
     """The worker has joined a weight-transfer group."""
+    transfer_group: str | None = None
+    """Which one (TransferInit.group_name)."""
     withheld: bool = False
     """Withheld from rl.generate: it joined on an older version than the committed one and
     takes no generation traffic until it has received current weights."""

@@ -20,7 +20,7 @@ from anyio.abc import TaskGroup
 from nats.micro.request import Request
 from nats.micro.service import Group
 
-from rlbus.schemas import UNDECODABLE_STATUS, Internal, InvalidArgument, Message, RLBusError, encode, op_of
+from rlbus.schemas import UNDECODABLE_STATUS, DeadlineExceeded, Internal, InvalidArgument, Message, RLBusError, encode, op_of
 from rlbus.schemas.codec import DecodeError, ValidationError, invalid_field
 
 log = logging.getLogger("rlbus.services")
@@ -28,6 +28,9 @@ log = logging.getLogger("rlbus.services")
 C = TypeVar("C", bound=Message)
 
 Handler = Callable[[Any], Awaitable[object]]
+
+REPLY_MARGIN_S = 0.2
+"""A command with a deadline is answered this long before it, so the answer reaches the caller."""
 
 MAX_PAYLOAD = 8 * 1024 * 1024
 
@@ -241,8 +244,14 @@ class Endpoints:
 
     async def _answer(self, route: Route[Any], handler: Handler, cmd: Any, print_: str) -> bytes:
         async def work() -> bytes:
+            budget = getattr(cmd, "timeout_s", None)
             try:
-                return encode(await handler(cmd))
+                # answer before the sender stops waiting: a late answer only holds the lock
+                with anyio.fail_after(max(0.0, budget - REPLY_MARGIN_S) if budget is not None else None):
+                    return encode(await handler(cmd))
+            except TimeoutError:
+                return encode(DeadlineExceeded(
+                    f"{route.op} did not finish within the caller's {budget:g}s; what it started was undone").to_nack())
             except RLBusError as e:
                 return encode(e.to_nack())
             except Exception as e:  # a bug: answer INTERNAL rather than leave the caller hanging

@@ -18,6 +18,8 @@ from rlbus.bus.faults import expect_reply, fault_of
 from rlbus.schemas import (
     AnyControlCommand,
     Backend,
+    DeadlineExceeded,
+    FailedPrecondition,
     FleetAck,
     GenerateReply,
     GenerateRequest,
@@ -51,6 +53,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 log = logging.getLogger("rlbus.sdk.client")
 
+PUSH_CLEANUP_S = 5.0
+"""The part of push_weights' deadline kept for aborting and resuming after a failure."""
+
 RETRY_S = 15.0
 """Default retry window while nothing answers: covers a leader's lease (5 s) and a takeover."""
 
@@ -69,7 +74,7 @@ class RLClient:
         deadline; a retry resends the same command id, so it runs once."""
         """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
         self._owns = owns_connection
-        self.push = WeightPush(self.call, timeout, lambda: self.nc.max_payload)
+        self.push = WeightPush(self.call, lambda: self.nc.max_payload)
         """The trainer's side of update sessions: transfer group, packing buffers, checksums."""
 
     @classmethod
@@ -107,14 +112,17 @@ class RLClient:
         """Send any control command and return its typed reply (the methods below wrap this);
         a refusal raises the exception for its code. A command without an id gets a fresh one."""
         op = op_of(command)
-        if not command.command_id:
-            command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex)
-        return await self._ask(self.subjects.control(op), op, encode(command), expect, "the controller", timeout,
+        t = min(timeout or self.timeout, _left())
+        if not command.command_id:  # a retry of this command resends it as it is (same id, same bytes)
+            command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex, timeout_s=round(t, 3) if t != float("inf") else None)
+        return await self._ask(self.subjects.control(op), op, encode(command), expect, "the controller", t,
                                hint="start one with `rlbus up` or `rlbus controller`")
 
     async def _ask(self, subject: str, op: str, payload: bytes, expect: type[T], who: str,
                    timeout: float | None = None, decoder: Any = None, hint: str = "") -> T:
-        t = timeout or self.timeout
+        t = min(timeout or self.timeout, _left())
+        if t <= 0:
+            raise DeadlineExceeded(f"no time left for {op} within the caller's deadline")
         start = time.monotonic()
         delay = 0.05
         while True:
@@ -181,7 +189,12 @@ class RLClient:
         backend: None = the backend every worker reports. master_addr: this host as workers
         reach it (default $RLBUS_MASTER_ADDR or 127.0.0.1). Collectives time out after timeout_s.
         """
-        return await self.push.init_transfer(await self.server_info(), backend, master_addr, timeout_s)
+        limit = min(self.timeout, _left())
+        try:
+            with anyio.fail_after(limit):
+                return await self.push.init_transfer(await self.server_info(), backend, master_addr, timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"init_weight_transfer did not finish within {limit:g}s (the workers did not all join)") from None
 
     async def start_weight_update(self) -> FleetAck:
         """Open an update session for the main model on every worker."""
@@ -237,9 +250,32 @@ class RLClient:
         pause_mode: PauseMode = "wait",
         draft: bool = False,
         bucket_bytes: int | None = None,
+        timeout: float | None = None,
     ) -> FleetAck:
         """pause -> start -> update -> finish -> resume. Any failure aborts the session
-        everywhere (old weights and version stay) and re-raises; the fleet is resumed."""
+        everywhere (old weights and version stay) and re-raises; the fleet is resumed.
+
+        One deadline bounds the whole push: `timeout` (default: the client's). The phases
+        share it; the last PUSH_CLEANUP_S (at most a fifth) is kept for the abort and resume
+        of a push that failed or ran out of time (DEADLINE_EXCEEDED). A session already open
+        (another trainer's push) is refused at once, before anything is paused."""
+        total = min(timeout or self.timeout, _left())
+        reserve = min(PUSH_CLEANUP_S, total / 5)
+        try:
+            with anyio.fail_after(total - reserve):
+                return await self._push(named_tensors, version, pause_mode, draft, bucket_bytes, reserve)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"push_weights did not finish within {total:g}s; its session was aborted and the fleet resumed"
+            ) from None
+
+    async def _push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: str | None, pause_mode: PauseMode,
+                    draft: bool, bucket_bytes: int | None, reserve: float) -> FleetAck:
+        info = await self.server_info()
+        if info.session_id:
+            raise FailedPrecondition(
+                f"session {info.session_id} is open (another trainer pushing?); wait for it, or abort it, and retry"
+            )
         paused = await self.pause(pause_mode)
         try:
             fleet = [w.worker_id for w in paused.workers]
@@ -250,7 +286,7 @@ class RLClient:
                 await self.push.update(named_tensors, bucket_bytes)
                 return await self.push.finish(version)
             except BaseException as e:
-                with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(reserve, shield=True):
                     try:
                         await self.push.abort(f"push failed: {e}")
                     except RLBusError as abort_error:
@@ -260,7 +296,7 @@ class RLClient:
                         self.push.close()  # a worker left the group: rebuild it next time
                 raise
         finally:
-            with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(reserve, shield=True):
                 await self.resume()
 
     async def _safe_server_info(self) -> ServerInfo | None:
@@ -287,6 +323,11 @@ class RLClient:
         )
         return await self._ask(self.subjects.generate, "generate", encode(req), GenerateReply, "a worker serving generation",
                                timeout, generate_reply_decoder)
+
+
+def _left() -> float:
+    """Seconds to the enclosing deadline (inf without one)."""
+    return anyio.current_effective_deadline() - anyio.current_time()
 
 
 class SyncRLClient:

@@ -66,9 +66,8 @@ class Call(Protocol):
 class WeightPush:
     """One per client. Not safe for two sessions at once: the controller refuses a second one."""
 
-    def __init__(self, call: Call, timeout: float, max_payload: Callable[[], int]) -> None:
+    def __init__(self, call: Call, max_payload: Callable[[], int]) -> None:
         self._call = call
-        self._timeout = timeout
         self._max_payload = max_payload
         """The NATS server's limit on one message (read from the connection)."""
         self.transfer: TrainerTransfer | None = None
@@ -81,6 +80,9 @@ class WeightPush:
         self._scratch_of: object = None
         self.checksums: list[str] = []
         """Every bucket sent in the open session, in order: what finish carries to the workers."""
+        self.session_id: str | None = None
+        """The session this client opened: its updates, finish and abort name it, so they
+        never land in another trainer's session."""
         self.bucket_bytes: int | None = None
         """Bucket size (None: sized to the transport, see BUCKET_BYTES)."""
 
@@ -135,9 +137,7 @@ class WeightPush:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(open_side)
                 try:
-                    ack = await self._call(
-                        InitWeightTransfer(backend=chosen, init_info=init), FleetAck, timeout=max(self._timeout, timeout_s + 10)
-                    )
+                    ack = await self._call(InitWeightTransfer(backend=chosen, init_info=init), FleetAck)
                 except RLBusError as e:
                     refused.append(e)
                     tg.cancel_scope.cancel()  # the open side would only time out
@@ -161,7 +161,7 @@ class WeightPush:
 
     async def start(self, target: UpdateTarget) -> FleetAck:
         ack = await self._call(StartWeightUpdate(target=target), FleetAck)
-        self.checksums = []
+        self.checksums, self.session_id = [], ack.session_id
         return ack
 
     async def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int | None) -> FleetAck:
@@ -197,7 +197,8 @@ class WeightPush:
         for first, last in meta_chunks(plan.per_bucket, limit):
             params = [msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in plan.per_bucket[k]]
             buckets = [msgspec.structs.replace(b, index=b.index - first) for b in plan.buckets[first:last]]
-            ack = await self._call(UpdateWeights(params=params, buckets=buckets), FleetAck)
+            ack = await self._call(UpdateWeights(params=params, buckets=buckets, session_id=self.session_id,
+                                                 group=self.init.group_name if self.init else ""), FleetAck)
             try:
                 self.checksums += await detached(
                     lambda: send_stream(tx, plan, named, first=first, last=last, scratch=self.scratch, pack_every_bucket=every),
@@ -207,15 +208,18 @@ class WeightPush:
                 self.close()
                 raise Aborted(f"sending weights failed ({e}); abort the session and init_weight_transfer() again") from None
         if ack is None:  # nothing to send: still tell the controller (an empty update)
-            ack = await self._call(UpdateWeights(params=[], buckets=[]), FleetAck)
+            ack = await self._call(UpdateWeights(params=[], buckets=[], session_id=self.session_id), FleetAck)
         return ack
 
     async def finish(self, weight_version: str | None) -> FleetAck:
-        return await self._call(FinishWeightUpdate(weight_version=weight_version, checksums=self.checksums), FleetAck)
+        ack = await self._call(FinishWeightUpdate(weight_version=weight_version, checksums=self.checksums,
+                                                  session_id=self.session_id), FleetAck)
+        self.session_id = None
+        return ack
 
     async def abort(self, reason: str) -> FleetAck:
-        ack = await self._call(AbortWeightUpdate(reason=reason), FleetAck)
-        self.checksums = []
+        ack = await self._call(AbortWeightUpdate(reason=reason, session_id=self.session_id), FleetAck)
+        self.checksums, self.session_id = [], None
         return ack
 
 

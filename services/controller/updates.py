@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import anyio
 import msgspec
 
 from rlbus.schemas import (
@@ -198,7 +199,12 @@ class Updates:
                 )
             sid = uuid.uuid4().hex[:16]
             step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
-            out = await self.fleet.send(stamped(OpenSession, target=target, session_id=sid), workers)
+            try:
+                out = await self.fleet.send(stamped(OpenSession, target=target, session_id=sid), workers)
+            except BaseException:  # the caller's deadline passed: close what opened
+                with anyio.CancelScope(shield=True):
+                    await self.fleet.send(stamped(AbortSession, session_id=sid, reason="start ran out of time"), workers)
+                raise
             if not out.ok:
                 await self.fleet.send(stamped(AbortSession, session_id=sid, reason="start failed"), list(out.acks))
                 out.raise_for_failures(f"start_weight_update({target})")
@@ -209,6 +215,13 @@ class Updates:
     async def update_weights(self, cmd: UpdateWeights) -> FleetAck:
         async with self.fleet.lock:
             step = self._advance(S.Update(session_id=cmd.session_id or None))
+            elsewhere = {w: self.fleet.registry.state(w).transfer_group for w in self.fleet.ids()}
+            elsewhere = {w: g for w, g in elsewhere.items() if g != cmd.group}
+            if cmd.group and elsewhere:
+                raise FailedPrecondition(
+                    f"workers {sorted(elsewhere)} are not in transfer group {cmd.group!r} (another trainer's "
+                    "init_weight_transfer, or they left it): no byte would reach them; call init_weight_transfer() again"
+                )
             sid = self.session_id or ""
             workers = self.fleet.ids()
 
@@ -239,7 +252,12 @@ class Updates:
                 raise error_for("INTERNAL", f"finish stepped to {type(committing).__name__}, not Committing")
             sid = committing.session_id
             workers = self.fleet.ids()
-            prepared = await self.fleet.send(stamped(PrepareCommit, session_id=sid, checksums=cmd.checksums), workers)
+            try:
+                prepared = await self.fleet.send(stamped(PrepareCommit, session_id=sid, checksums=cmd.checksums), workers)
+            except BaseException:  # the caller's deadline passed: the session cannot stay Committing
+                with anyio.CancelScope(shield=True):
+                    await self._apply(S.Failed(reason="finish ran out of time"), "finish ran out of time in prepare")
+                raise
             if not prepared.ok:
                 err = prepared.error("finish_weight_update (prepare)")
                 await self._apply(S.Failed(reason=err.message), err.message)
@@ -247,27 +265,35 @@ class Updates:
             version = committing.version
             main = committing.target == "main"
             seq = (self.version.seq if main else self.version.draft_seq) + 1
-            committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=version, seq=seq), workers)
-            if not committed.ok:
-                # prepared workers that did commit keep the new weights (their session is closed,
-                # so the abort passes them by); the durable version stays
-                err = committed.error("finish_weight_update (commit)")
-                await self._apply(S.Failed(reason=err.message), err.message)
-                raise err
-            done = self._advance(S.Committed())
-            if main:
-                new = msgspec.structs.replace(
-                    self.version, version=version or self.version.version, seq=seq,
-                    epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
-                )
-            else:
-                new = msgspec.structs.replace(
-                    self.version, draft_version=version or self.version.draft_version, draft_seq=seq,
-                    epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
-                )
-            await self._commit_version(new)  # durable before KV forgets the session
-            self.state_lost = False
-            await self._settle(done.state)
+            with anyio.CancelScope(shield=True):  # once workers commit, the commit completes (each worker is bounded)
+                committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=version, seq=seq), workers)
+                return await self._committed(committing, committed, version, seq, workers)
+
+    async def _committed(self, committing: S.Committing, committed: Outcome, version: str | None, seq: int,
+                         workers: list[str]) -> FleetAck:
+        """Phase 2 answered: record the commit (or abort what failed). Runs shielded, under the lock."""
+        sid = committing.session_id
+        main = committing.target == "main"
+        if not committed.ok:
+            # prepared workers that did commit keep the new weights (their session is closed,
+            # so the abort passes them by); the durable version stays
+            err = committed.error("finish_weight_update (commit)")
+            await self._apply(S.Failed(reason=err.message), err.message)
+            raise err
+        done = self._advance(S.Committed())
+        if main:
+            new = msgspec.structs.replace(
+                self.version, version=version or self.version.version, seq=seq,
+                epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
+            )
+        else:
+            new = msgspec.structs.replace(
+                self.version, draft_version=version or self.version.draft_version, draft_seq=seq,
+                epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
+            )
+        await self._commit_version(new)  # durable before KV forgets the session
+        self.state_lost = False
+        await self._settle(done.state)
         await self.fleet.event("session_committed", workers, new.version, session_id=sid)
         return self.ack(committed)
 

@@ -139,6 +139,7 @@ class WorkerService:
             withheld=self.withheld,
             session_id=self.updates.session_id,
             transfer_ready=self.updates.transfer_ready,
+            transfer_group=self.updates.init.group_name if self.updates.init else None,
             draft_stale=e.draft_stale,
             spec_proposed=e.spec_proposed,
             spec_accepted=e.spec_accepted,
@@ -181,6 +182,7 @@ class WorkerService:
             task_status.started()
             await self._stop.wait()
             # drain: stop taking work, let in-flight work answer, then leave
+            self.updates.cancel_join()  # a group still forming would only hold the drain up
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(2):  # unsubscribing needs a live connection
                     await hello.unsubscribe()

@@ -109,6 +109,8 @@ class WeightUpdates:
         self.init: TransferInit | None = None
         self.session: _Session | None = None
         self._recv_lock = anyio.Lock()  # broadcasts arrive in order: one receive at a time
+        self._joining: anyio.CancelScope | None = None
+        """The join waiting for its rendezvous, if any."""
 
     @property
     def transfer_ready(self) -> bool:
@@ -130,13 +132,26 @@ class WeightUpdates:
         if self.session is not None:
             raise FailedPrecondition(f"session {self.session.session_id} is open; finish or abort it before re-initialising")
         self.teardown()
+        self.cancel_join()  # a newer group supersedes one still forming
         rx = worker_transfer(init.backend)
-        try:
-            await detached(rx.join, init, rank, name="rlbus-join")
-        except TransferError as e:
+        scope = self._joining = anyio.CancelScope()
+        with scope:
+            try:
+                await detached(rx.join, init, rank, name="rlbus-join")
+            except TransferError as e:
+                rx.close()
+                raise FailedPrecondition(f"could not join the weight-transfer group: {e}") from None
+        if scope.cancelled_caught:
             rx.close()
-            raise FailedPrecondition(f"could not join the weight-transfer group: {e}") from None
+            raise Aborted(f"joining group {init.group_name!r} was abandoned (a newer group, or the worker stopped)")
+        self._joining = None
         self.rx, self.init = rx, init
+
+    def cancel_join(self) -> None:
+        """Abandon a join still waiting for its rendezvous (its thread ends at the group timeout)."""
+        if self._joining is not None:
+            self._joining.cancel()
+            self._joining = None
 
     def teardown(self) -> None:
         """Leave the group at once; a receive still pending in it is abandoned, not awaited."""

@@ -282,7 +282,8 @@ def test_open_raises_transfer_timeout_when_a_worker_never_joins(backend):
     start = time.monotonic()
     with pytest.raises(TransferTimeout):
         tx.open(bound)
-    assert time.monotonic() - start < 5.0
+    # bounded by the group timeout, not by waiting forever; the slack absorbs a loaded 2-core CI box
+    assert time.monotonic() - start < init.timeout_s + 6.0
     tx.close()
     t.join(10)
     assert not t.is_alive()
