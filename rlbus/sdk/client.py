@@ -56,6 +56,9 @@ log = logging.getLogger("rlbus.sdk.client")
 PUSH_CLEANUP_S = 5.0
 """The part of push_weights' deadline kept for aborting and resuming after a failure."""
 
+ATTEMPT_S = 5.0
+"""A control call resends its command (same id: it runs once) after this long without an answer."""
+
 RETRY_S = 15.0
 """Default retry window while nothing answers: covers a leader's lease (5 s) and a takeover."""
 
@@ -69,6 +72,8 @@ class RLClient:
         self.subjects = subjects or Subjects()
         self.timeout = timeout
         self.retry_s = retry_s
+        self.attempt_s = ATTEMPT_S
+        """How long one attempt of a control call waits before the same command is sent again."""
         """How long a call keeps retrying while nothing answers its subject (no responders, a
         reconnecting connection): a controller handover, a NATS restart. Within the call's
         deadline; a retry resends the same command id, so it runs once."""
@@ -116,10 +121,14 @@ class RLClient:
         if not command.command_id:  # a retry of this command resends it as it is (same id, same bytes)
             command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex, timeout_s=round(t, 3) if t != float("inf") else None)
         return await self._ask(self.subjects.control(op), op, encode(command), expect, "the controller", t,
-                               hint="start one with `rlbus up` or `rlbus controller`")
+                               hint="start one with `rlbus up` or `rlbus controller`", resend=True)
 
     async def _ask(self, subject: str, op: str, payload: bytes, expect: type[T], who: str,
-                   timeout: float | None = None, decoder: Any = None, hint: str = "") -> T:
+                   timeout: float | None = None, decoder: Any = None, hint: str = "", resend: bool = False) -> T:
+        """One request/reply within the deadline. Retries while nothing answers (within
+        retry_s). With `resend` (a command deduplicated by its id) it also waits at most
+        attempt_s per attempt and sends the same bytes again: a leader that froze or lost its
+        link does not hold the call, the next leader answers (or the same one, from its cache)."""
         t = min(timeout or self.timeout, _left())
         if t <= 0:
             raise DeadlineExceeded(f"no time left for {op} within the caller's deadline")
@@ -127,14 +136,18 @@ class RLClient:
         delay = 0.05
         while True:
             left = t - (time.monotonic() - start)
+            wait = min(left, self.attempt_s) if resend else left
             try:
-                msg = await request(self.nc, subject, payload, left)
+                msg = await request(self.nc, subject, payload, wait)
                 break
             except PermissionDenied:
                 raise
             except Exception as e:  # no responders, timeout, connection closed
                 fault = fault_of(e, who=who, op=op, timeout=t, hint=hint)
                 waited = time.monotonic() - start
+                if resend and fault.code == "DEADLINE_EXCEEDED" and waited < t - 0.01:
+                    log.info("%s: no answer within %.1fs; sending it again (same id)", op, wait)
+                    continue
                 if fault.code != "UNAVAILABLE" or waited + delay >= min(t, self.retry_s):
                     raise fault.error() from None
                 log.info("%s: %s; retrying", op, fault.message)
