@@ -1,6 +1,7 @@
-"""Failover loses no call: two real controller processes (leader and standby) in front of an
-in-process fleet. The leader is frozen (SIGSTOP), then a leader is killed (SIGKILL); trainer calls
-made right after each fault all succeed, on the next leader, within their deadline. The gap is
+"""Failover loses no call: real controller processes (a leader and a standby) in front of an
+in-process fleet. The leader's link is blackholed, then the next leader is frozen (SIGSTOP), then
+the next is killed (SIGKILL); trainer calls made right after each fault all succeed, on the next
+leader, within their deadline. The gap is
 printed, not asserted: the server drops a frozen connection in ~3-4 s (ping every 1 s, 3 missed),
 the standby takes over when the lease lapses, and the SDK resends a command (same id) that got
 no answer within attempt_s, or retries while nothing answers."""
@@ -22,6 +23,7 @@ from rlbus.sdk.client import RLClient
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 from tests.looplag import LoopLag
+from tests.netfaults import Blackhole
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL
 
@@ -60,14 +62,17 @@ async def _calls_after_a_fault(rl: RLClient, old: str) -> tuple[float, list[str]
 async def fleet(nats_server, prefix):
     subjects = Subjects(prefix=prefix)
     f = LocalFleet(nats_server.url)
-    procs = [_controller(nats_server.url, prefix)]
+    hole = Blackhole(nats_server.port)
+    await hole.__aenter__()
+    procs = [_controller(hole.url, prefix)]  # the first leader's link goes through the proxy
     rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=30.0)
     try:
         for wid in ("w0", "w1"):
             await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2))
         await eventually(lambda: _two_workers(rl), timeout=30, what="the first controller serving both workers")
-        yield f, rl, procs, nats_server.url, prefix
+        yield f, rl, procs, nats_server.url, prefix, hole
     finally:
+        await hole.__aexit__(None, None, None)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
@@ -98,20 +103,27 @@ def _age(proc: subprocess.Popen) -> float:
 
 
 async def test_no_call_is_lost_when_the_leader_freezes_or_dies(fleet):
-    f, rl, procs, url, prefix = fleet
+    f, rl, procs, url, prefix, hole = fleet
     async with LoopLag(bound=0.5):
-        old = await _leader(rl)
+        leader = await _leader(rl)
         procs.append(_controller(url, prefix))
         await _standby_ready(rl, procs[-1])
-        procs[0].send_signal(signal.SIGSTOP)
-        gap, answered = await _calls_after_a_fault(rl, old)
-        print(f"\nleader frozen (SIGSTOP): first call answered after {gap:.2f}s by {answered[0]}")
+        hole.holed = True  # the leader's link goes silent: no error, no close
+        gap, answered = await _calls_after_a_fault(rl, leader)
+        print(f"\nleader blackholed: first call answered after {gap:.2f}s by {answered[0]}")
 
-        second = answered[-1]
+        leader = answered[-1]
         procs.append(_controller(url, prefix))
         await _standby_ready(rl, procs[-1])
-        procs[1].send_signal(signal.SIGKILL)
-        gap, answered = await _calls_after_a_fault(rl, second)
+        procs[1].send_signal(signal.SIGSTOP)
+        gap, answered = await _calls_after_a_fault(rl, leader)
+        print(f"leader frozen (SIGSTOP): first call answered after {gap:.2f}s by {answered[0]}")
+
+        leader = answered[-1]
+        procs.append(_controller(url, prefix))
+        await _standby_ready(rl, procs[-1])
+        procs[2].send_signal(signal.SIGKILL)
+        gap, answered = await _calls_after_a_fault(rl, leader)
         print(f"leader killed (SIGKILL): first call answered after {gap:.2f}s by {answered[0]}")
-    procs[0].send_signal(signal.SIGCONT)  # the frozen leader finds its lease taken and steps down
-    procs[0].wait(15)
+    procs[1].send_signal(signal.SIGCONT)  # the frozen leader finds its lease taken and steps down
+    procs[1].wait(15)

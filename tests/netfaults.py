@@ -1,0 +1,45 @@
+"""Network faults for tests (not a test file): a TCP proxy that can blackhole a link."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class Blackhole:
+    """A TCP proxy to the server that can swallow every byte both ways while keeping the
+    sockets open: a silent link, as a dead host or a dropped route looks, without root."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.holed = False
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> Blackhole:  # noqa: PYI034
+        self._server = await asyncio.start_server(self._on_client, "127.0.0.1", 0)
+        self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:
+            w.close()
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    if not self.holed:
+                        w.write(data)
+                        await w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
