@@ -4,10 +4,13 @@ rlbus uses is spelled here and nowhere else."""
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 import msgspec
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+WorkerEventKind = Literal["ready", "heartbeat", "gone"]
 
 
 def check_token(value: str, what: str) -> str:
@@ -37,26 +40,24 @@ class Subjects(msgspec.Struct, frozen=True):
     def worker_commands(self, worker_id: str) -> str:
         return f"{self.prefix}.worker.{worker_id}.*"
 
-    @property
-    def worker_ready(self) -> str:
-        """worker -> controller: the ready handshake."""
-        return f"{self.prefix}.worker.ready"
+    def worker_event(self, worker_id: str, kind: WorkerEventKind) -> str:
+        """worker -> controller: its handshake (`ready`), liveness beats (`heartbeat`) and goodbye
+        (`gone`), under its own id, so a worker's credentials can be scoped to its own subjects."""
+        return f"{self.prefix}.workers.{worker_id}.{kind}"
 
-    @property
-    def worker_heartbeat(self) -> str:
-        """worker -> controller: liveness beats."""
-        return f"{self.prefix}.worker.heartbeat"
+    def worker_events(self, kind: WorkerEventKind) -> str:
+        """What the controller subscribes to: one kind of event from every worker."""
+        return f"{self.prefix}.workers.*.{kind}"
 
-    @property
-    def worker_gone(self) -> str:
-        """worker -> controller: a clean goodbye on shutdown."""
-        return f"{self.prefix}.worker.gone"
+    @staticmethod
+    def worker_of_event(subject: str) -> str:
+        """The worker id a worker-event subject names."""
+        return subject.rsplit(".", 2)[-2]
 
-    @property
-    def worker_inbox(self) -> str:
-        """Workers' reply inbox prefix: a worker may read replies to its own requests (the
-        startup check of its id) without the right to read everyone's `_INBOX.>`."""
-        return f"_INBOX.{self.prefix}-worker"
+    def inbox(self, identity: str) -> str:
+        """The reply-inbox prefix of one identity ("trainer", "observer", "controller",
+        "worker-<id>"): each may read replies to its own requests, not everyone's `_INBOX.>`."""
+        return f"_INBOX.{self.prefix.replace('.', '-')}-{identity}"
 
     @property
     def controller_hello(self) -> str:

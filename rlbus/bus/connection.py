@@ -47,6 +47,9 @@ class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
     """$RLBUS_NATS_TLS_CERT: client certificate (mutual TLS)."""
     tls_key: str | None = None
     """$RLBUS_NATS_TLS_KEY"""
+    inbox: str | None = None
+    """$RLBUS_NATS_INBOX: the reply-inbox prefix this identity may read (per role; `rlbus
+    nats-config` writes it). None = nats-py's `_INBOX`."""
 
     @classmethod
     def from_env(cls, **given: str | None) -> "NatsAuth":
@@ -186,6 +189,7 @@ async def connect(
 
 async def _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect,  # noqa: ANN001
                    inbox_prefix) -> Client:  # noqa: ANN001
+    inbox_prefix = inbox_prefix or auth.inbox
     extra = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     return await nats.connect(
         url,
@@ -226,6 +230,9 @@ async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> M
     PermissionDenied, instead of surfacing as a timeout (nats-py reports a denial only to
     its error callback)."""
     denials = denials_of(nc)
+    inbox = _inbox_denied(nc)
+    if inbox:
+        raise PermissionDenied(inbox)
     outcome: list[Msg | Exception] = []
     with denials.watch(subject) as denied:
         async with anyio.create_task_group() as tg:
@@ -246,5 +253,19 @@ async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> M
     if denied.is_set():
         raise PermissionDenied(f"the NATS server denies this identity publishing to {subject}; check its credentials and role")
     if isinstance(outcome[0], Exception):
+        inbox = _inbox_denied(nc)
+        if inbox:  # the replies could never arrive: say why instead of timing out
+            raise PermissionDenied(inbox)
         raise outcome[0]
     return outcome[0]
+
+
+def _inbox_denied(nc: Client) -> str | None:
+    """Why replies cannot reach this connection: the server denied it its reply inbox."""
+    raw = getattr(nc, "_inbox_prefix", b"_INBOX")  # nats-py keeps it as bytes
+    prefix = bytes(raw).decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    for action, s in denials_of(nc).seen:
+        if action == "subscription" and s.startswith(prefix.lower()):
+            return (f"the NATS server denies this identity its reply inbox {prefix}.>; set RLBUS_NATS_INBOX "
+                    "(NatsAuth.inbox) to the prefix its config allows (`rlbus nats-config` writes it in the env file)")
+    return None

@@ -16,10 +16,11 @@ import click
 from rlbus.bus.connection import DEFAULT_URL, URL_ENV
 from rlbus.schemas.errors import RLBusError
 
-_AUTH_FIELDS = ("user", "password", "creds", "nkey", "tls_ca", "tls_cert", "tls_key")
+_AUTH_FIELDS = ("user", "password", "creds", "nkey", "tls_ca", "tls_cert", "tls_key", "inbox")
 _AUTH_HELP = {
     "user": "NATS user", "password": "NATS password", "creds": "NATS .creds file", "nkey": "nkey seed file",
     "tls_ca": "CA bundle to verify the server", "tls_cert": "client certificate", "tls_key": "client key",
+    "inbox": "reply-inbox prefix this identity may read",
 }
 
 
@@ -98,9 +99,10 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         if nats_url:
             raise click.UsageError("--secure configures the embedded server; with --nats-url, use `rlbus nats-config`")
         folder = Path(config_dir or tempfile.mkdtemp(prefix="rlbus-secure-"))
-        paths = write_config(folder)
+        ids = [f"worker-{i}" for i in range(workers)]
+        paths = write_config(folder, workers=ids)
         config = paths["config"]
-        role_env = {r: read_env_file(paths[r]) for r in ("controller", "worker", "trainer")}
+        role_env = {r: read_env_file(paths[r]) for r in ("controller", "trainer", *(f"worker-{w}" for w in ids))}
     url, server = embedded_or(nats_url, config)
     fleet = Fleet(
         url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode],
@@ -136,20 +138,29 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
 @click.option("--tls-cert", default=None, help="Server certificate (enables TLS).")
 @click.option("--tls-key", default=None, help="Server key.")
 @click.option("--tls-ca", default=None, help="CA for client certificates (enables mutual TLS).")
-def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
-    """Write a least-privilege nats-server config: users for trainer, controller, worker and
-    observer roles, each allowed only its own subjects (see README, SECURITY)."""
+@click.option("--workers", "worker_ids", default="worker-0,worker-1", show_default=True,
+              help="Comma-separated worker ids: each gets credentials of its own (write again to add some).")
+@click.option("--print-matrix", is_flag=True, help="Print the permission matrix (markdown) and exit.")
+def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None, tls_ca: str | None, worker_ids: str,
+                print_matrix: bool) -> None:
+    """Write a least-privilege nats-server config: users for the trainer, controller and observer
+    roles and one per worker id, each allowed only its own subjects (see README, Security)."""
     from pathlib import Path
 
-    from rlbus.runners.natsconfig import Tls, write_config
+    from rlbus.runners.natsconfig import Tls, identities, permission_matrix, write_config
+
+    if print_matrix:
+        click.echo(permission_matrix(prefix))
+        return
+    workers = [w for w in worker_ids.split(",") if w]
 
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
     tls = Tls(cert=tls_cert, key=tls_key, ca=tls_ca) if tls_cert and tls_key else None
-    paths = write_config(Path(out), prefix=prefix, tls=tls)
+    paths = write_config(Path(out), prefix=prefix, tls=tls, workers=workers)
     click.echo(f"wrote {paths['config']} (run: nats-server -js -c {paths['config']})")
-    for role in ("trainer", "controller", "worker", "observer"):
-        click.echo(f"  {role:10s} credentials: {paths[role]}  (export its lines, or pass --nats-user/--nats-password)")
+    for role in identities(workers):
+        click.echo(f"  {role:16s} credentials: {paths[role]}  (export its lines, or pass --nats-user/--nats-password)")
 
 
 @main.command()
@@ -172,7 +183,8 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
     _logging(verbose)
     opts = ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=command_timeout, liveness_timeout_s=liveness_timeout,
                              lease_s=lease, unique_versions=unique_versions)
-    anyio.run(lambda: serve(_url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts), auth=_auth()))
+    anyio.run(lambda: serve(_url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts), auth=_auth(),
+                            inbox_prefix=_auth().inbox or opts.subjects.inbox("controller")))
 
 
 @main.command()
@@ -239,7 +251,8 @@ def worker(
         )
         return WorkerService(nc, engine, opts)
 
-    anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(), inbox_prefix=opts.subjects.worker_inbox))
+    anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(),
+                            inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}")))
 
 
 @main.command()

@@ -35,7 +35,9 @@ class Fleet:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        env = dict(os.environ, RLBUS_NATS_URL=self.url, PYTHONUNBUFFERED="1", **self.role_env.get(args[0], {}))
+        # credentials: the process's own identity (worker-<id>), else its role's
+        own = self.role_env.get(name if args[0] != "worker" else f"worker-{name}", self.role_env.get(args[0], {}))
+        env = dict(os.environ, RLBUS_NATS_URL=self.url, PYTHONUNBUFFERED="1", **own)
         if self.log_level:
             env["RLBUS_LOG_LEVEL"] = self.log_level
         self.procs[name] = spawn([sys.executable, "-m", "rlbus", *args], env=env)
@@ -48,7 +50,8 @@ class Fleet:
     async def wait_ready(self, timeout: float = 120.0) -> RLClient:
         """Wait until every worker is registered with the controller; returns a connected client."""
         trainer = self.role_env.get("trainer", {})
-        auth = NatsAuth(user=trainer.get("RLBUS_NATS_USER"), password=trainer.get("RLBUS_NATS_PASSWORD")) if trainer else None
+        auth = NatsAuth(user=trainer.get("RLBUS_NATS_USER"), password=trainer.get("RLBUS_NATS_PASSWORD"),
+                        inbox=trainer.get("RLBUS_NATS_INBOX")) if trainer else None
         rl = await RLClient.connect(self.url, timeout=5.0, auth=auth)
         joined = await rl.nc.subscribe(rl.subjects.event("worker_joined"))
         try:

@@ -32,7 +32,7 @@ class LocalFleet:
         return svc
 
     async def start_worker(self, engine: Engine, options: WorkerOptions) -> WorkerService:
-        nc = await connect(self.url, name=f"rlbus-worker-{options.worker_id}", inbox_prefix=options.subjects.worker_inbox)
+        nc = await connect(self.url, name=f"rlbus-worker-{options.worker_id}", inbox_prefix=options.subjects.inbox(f"worker-{options.worker_id}"))
         svc = WorkerService(nc, engine, options)
         await self._start(svc, nc)
         self.workers[options.worker_id] = svc

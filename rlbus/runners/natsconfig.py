@@ -1,16 +1,7 @@
-"""`rlbus nats-config`: a least-privilege nats-server config with one user per role.
-
-Roles and what each may do (P = the subject prefix, default `rl`):
-
-| role | publish | subscribe |
-|---|---|---|
-| trainer | `P.control.>`, `P.generate`, read-only JetStream API on the state bucket | replies, `P.version`, `P.events.>` |
-| controller | worker commands `P.worker.*.*`, `P.controller.hello`, `P.version`, `P.events.>`, JetStream (state KV) | `P.control.>`, worker handshakes, `$SRV.>` |
-| worker | its handshake, heartbeat and goodbye (+ replies to its commands), `P.worker.*.status` (the startup check that its id is free) | `P.worker.*.*`, `P.controller.hello`, `P.generate`, `$SRV.>`, its own inbox `_INBOX.P-worker.>` |
-| observer | read-only JetStream API on the state bucket | replies, `P.version`, `P.events.>` |
-
-Only trainers publish `P.control.>`; only the controller publishes worker commands and
-writes the state KV; everyone may read `P.version`.
+"""`rlbus nats-config`: a least-privilege nats-server config: one user per role (trainer,
+controller, observer) and one per worker id, each allowed only its own subjects and its own
+reply inbox. README "Security" shows the matrix, rendered by `permission_matrix` from the same
+`permissions` table the config is written from.
 """
 
 from __future__ import annotations
@@ -20,11 +11,14 @@ import os
 import secrets
 from pathlib import Path
 
+from collections.abc import Sequence
+
 import msgspec
 
-from rlbus.schemas import Subjects
+from rlbus.schemas import Subjects, check_token
 
-ROLES = ("trainer", "controller", "worker", "observer")
+ROLES = ("trainer", "controller", "observer")
+"""The shared roles; every worker has an identity of its own (`worker-<id>`)."""
 
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,56 +43,84 @@ def _kv_read(subjects: Subjects) -> list[str]:
     ]
 
 
-def permissions(role: str, subjects: Subjects) -> dict[str, object]:
-    """The nats-server `permissions` block for a role."""
-    if role == "trainer":
+def identities(workers: Sequence[str]) -> list[str]:
+    """Every identity a config holds: the three roles, then one per worker id."""
+    return [*ROLES, *(f"worker-{check_token(w, 'worker id')}" for w in workers)]
+
+
+def permissions(identity: str, subjects: Subjects) -> dict[str, object]:
+    """The nats-server `permissions` block of one identity: a role, or `worker-<id>` (each
+    worker its own: it may speak only under its own id and hear only its own commands).
+    Every identity reads replies only under its own inbox prefix (`Subjects.inbox`)."""
+    inbox = f"{subjects.inbox(identity)}.>"
+    discovery = "$SRV.>"  # $SRV.PING|INFO|STATS: standard NATS tooling finds the services
+    if identity == "trainer":
         return {
-            "publish": {"allow": [f"{subjects.control_group}.>", subjects.generate, *_kv_read(subjects)]},
-            "subscribe": {"allow": ["_INBOX.>", subjects.version, subjects.events]},
+            "publish": {"allow": [f"{subjects.control_group}.>", subjects.generate, *_kv_read(subjects), discovery]},
+            "subscribe": {"allow": [inbox, subjects.version, subjects.events]},
         }
-    if role == "controller":
+    if identity == "controller":
         return {
             "publish": {
+                # + answers to trainers and observers, in their inboxes only
                 "allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.version, subjects.events,
-                          "$JS.API.>", subjects.kv_subjects, subjects.replies_subjects, "_INBOX.>"]
+                          "$JS.API.>", subjects.kv_subjects, subjects.replies_subjects,
+                          f"{subjects.inbox('trainer')}.>", f"{subjects.inbox('observer')}.>"]
             },
             "subscribe": {
-                "allow": [f"{subjects.control_group}.>", subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone,
-                          "_INBOX.>", "$SRV.>"]
+                "allow": [f"{subjects.control_group}.>", *(subjects.worker_events(k) for k in ("ready", "heartbeat", "gone")),
+                          inbox, "$SRV.>", subjects.version]
             },
             "allow_responses": True,
         }
-    if role == "worker":
+    if identity == "observer":
         return {
-            # + the status subject of a worker id, to check at startup that no live worker holds its id
-            "publish": {"allow": [subjects.worker_ready, subjects.worker_heartbeat, subjects.worker_gone,
-                                  subjects.worker("*", "status")]},
-            "subscribe": {"allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.generate, "$SRV.>",
-                                    f"{subjects.worker_inbox}.>"]},
+            "publish": {"allow": [*_kv_read(subjects), discovery]},
+            "subscribe": {"allow": [inbox, subjects.version, subjects.events]},
+        }
+    if identity.startswith("worker-"):
+        worker = identity.removeprefix("worker-")
+        return {
+            # its own events, and its own status subject (the startup check that no live worker holds its id)
+            "publish": {"allow": [f"{subjects.prefix}.workers.{worker}.*", subjects.worker(worker, "status")]},
+            "subscribe": {"allow": [subjects.worker_commands(worker), subjects.controller_hello, subjects.generate,
+                                    "$SRV.>", inbox, subjects.version]},
             "allow_responses": True,  # one reply to each command it receives
         }
-    if role == "observer":
-        return {
-            "publish": {"allow": _kv_read(subjects)},
-            "subscribe": {"allow": ["_INBOX.>", subjects.version, subjects.events]},
-        }
-    raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+    raise ValueError(f"unknown identity {identity!r}; roles are {ROLES} and worker-<id>")
 
 
-def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None) -> dict[str, Path]:
-    """Write `nats.conf` and one `<role>.env` per role (RLBUS_NATS_USER/PASSWORD), mode 0600.
+def permission_matrix(prefix: str = "rl") -> str:
+    """The permission table as markdown (identity, publish, subscribe), from `permissions`."""
+    subjects = Subjects(prefix=prefix)
+    rows = ["| identity | may publish | may subscribe |", "|---|---|---|"]
+    for identity in identities(["ID"]):
+        p = permissions(identity, subjects)
+        pub = ", ".join(f"`{x}`" for x in p["publish"]["allow"])  # type: ignore[index]
+        subs = ", ".join(f"`{x}`" for x in p["subscribe"]["allow"])  # type: ignore[index]
+        replies = " (+ one reply to each request it receives)" if p.get("allow_responses") else ""
+        rows.append(f"| {identity} | {pub}{replies} | {subs} |".replace("ID", "<id>"))
+    return "\n".join(rows)
 
-    Returns {"config": ..., "<role>": env file}. Fresh random passwords every time.
+
+def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None,
+                 workers: Sequence[str] = ("worker-0", "worker-1")) -> dict[str, Path]:
+    """Write `nats.conf` and one `<identity>.env` per role and per worker id
+    (RLBUS_NATS_USER/PASSWORD/INBOX), mode 0600. Add workers later by writing again with the
+    full list (every password is fresh, so restart the server and the services with the new files).
+
+    Returns {"config": ..., "<identity>": env file}.
     """
     subjects = Subjects(prefix=prefix)
     out.mkdir(parents=True, exist_ok=True)
-    passwords = {r: secrets.token_urlsafe(24) for r in ROLES}
+    names = identities(workers)
+    passwords = {r: secrets.token_urlsafe(24) for r in names}
     users = [
-        {"user": f"rlbus-{r}", "password": passwords[r], "permissions": permissions(r, subjects)} for r in ROLES
+        {"user": f"rlbus-{r}", "password": passwords[r], "permissions": permissions(r, subjects)} for r in names
     ]
     # nats-server's config format accepts JSON syntax
     lines = [
-        "# written by `rlbus nats-config`: least-privilege users for rlbus roles",
+        "# written by `rlbus nats-config`: least-privilege users for rlbus roles and workers",
         "authorization " + json.dumps({"users": users}, indent=2),
         # ping every client each second, drop one that misses three: a frozen or partitioned
         # controller's subscriptions go in seconds, not nats-server's default minutes
@@ -112,9 +134,10 @@ def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None) -> di
         lines.append("tls " + json.dumps(block, indent=2))
     paths: dict[str, Path] = {"config": out / "nats.conf"}
     _write_private(paths["config"], "\n".join(lines) + "\n")
-    for r in ROLES:
+    for r in names:
         paths[r] = out / f"{r}.env"
-        _write_private(paths[r], f"RLBUS_NATS_USER=rlbus-{r}\nRLBUS_NATS_PASSWORD={passwords[r]}\n")
+        _write_private(paths[r], f"RLBUS_NATS_USER=rlbus-{r}\nRLBUS_NATS_PASSWORD={passwords[r]}\n"
+                                 f"RLBUS_NATS_INBOX={subjects.inbox(r)}\n")
     return paths
 
 

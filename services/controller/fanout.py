@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 
@@ -23,6 +24,9 @@ from rlbus.schemas import (
     error_for,
     op_of,
 )
+
+
+log = logging.getLogger("rlbus.controller.fanout")
 
 
 class Outcome(msgspec.Struct):
@@ -73,6 +77,10 @@ async def fan_out(
             got: WorkerAck | Fault = fault_of(e, who=f"worker {worker_id}", op=op, timeout=timeout)
         else:
             got = reply_of(msg, op, WorkerAck)
+        if isinstance(got, WorkerAck) and got.state.worker_id != worker_id:
+            # only the addressed worker answers for itself: an ack about another is forged or misrouted
+            log.warning("ignored an answer to %s for worker %s that speaks for %s", op, worker_id, got.state.worker_id)
+            got = Fault("INTERNAL", f"the answer to {op} came from {got.state.worker_id!r}, not the addressed worker")
         if isinstance(got, Fault):
             out.failures.append(WorkerFailure(worker_id=worker_id, code=got.code, message=got.message))
         else:

@@ -173,9 +173,8 @@ class ControllerService:
             await eps.serve(group, routes)
             await group.add_endpoint(name="unknown", subject="*", queue_group=UNKNOWN_OP_QUEUE, handler=eps.unknown(routes.ops()))
             subs = [
-                await self.nc.subscribe(self.subjects.worker_ready, cb=self._on_worker_event),
-                await self.nc.subscribe(self.subjects.worker_heartbeat, cb=self._on_worker_event),
-                await self.nc.subscribe(self.subjects.worker_gone, cb=self._on_worker_event),
+                await self.nc.subscribe(self.subjects.worker_events(kind), cb=self._on_worker_event)  # type: ignore[arg-type]
+                for kind in ("ready", "heartbeat", "gone")
             ]
             await self.nc.flush()
             await self._hello()
@@ -239,6 +238,12 @@ class ControllerService:
             ev = event_decoder.decode(msg.data)
         except DecodeError:
             log.warning("undecodable worker event on %s", msg.subject)
+            return
+        sender = Subjects.worker_of_event(msg.subject)
+        claimed = ev.state.worker_id if isinstance(ev, (WorkerReady, Heartbeat)) else getattr(ev, "worker_id", None)
+        if claimed != sender or (isinstance(ev, (WorkerReady, Heartbeat)) and ev.worker_id != sender):
+            # each worker publishes only under its own id (scoped credentials): a mismatch is forged
+            log.warning("ignored a %s on %s claiming to be from worker %s", type(ev).__name__, msg.subject, claimed)
             return
         match ev:
             case WorkerReady(capabilities=caps, state=state):

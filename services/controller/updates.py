@@ -366,4 +366,12 @@ class Updates:
                 "workers disagree on the weight version: " + "; ".join(f"{v}: {ws}" for v, ws in groups.items())
                 + f" (committed: {self.version.version}); push weights again to bring them in step"
             )
-        return msgspec.structs.replace(self.version, version=next(iter(seen.values())), workers=len(seen))
+        held = next(iter(seen.values()))
+        if held != self.version.version:
+            # e.g. a controller died between its commit fan-out and its KV write: the workers agree on
+            # weights that were never committed (and they are withheld from generation until a push)
+            raise FailedPrecondition(
+                f"workers {sorted(seen)} all hold {held!r} but the committed version is {self.version.version!r} "
+                f"(seq {self.version.seq}); push weights again to bring them in step"
+            )
+        return msgspec.structs.replace(self.version, workers=len(seen))

@@ -150,7 +150,7 @@ class WorkerService:
 
     async def announce(self) -> None:
         await self.nc.publish(
-            self.subjects.worker_ready,
+            self.subjects.worker_event(self.id, "ready"),
             encode(WorkerReady(worker_id=self.id, capabilities=self.capabilities(), state=self.state())),
         )
 
@@ -197,7 +197,7 @@ class WorkerService:
                     await self.engine.resume()
                 with anyio.move_on_after(2):
                     try:
-                        await self.nc.publish(self.subjects.worker_gone, encode(WorkerGone(worker_id=self.id, reason="stopped")))
+                        await self.nc.publish(self.subjects.worker_event(self.id, "gone"), encode(WorkerGone(worker_id=self.id, reason="stopped")))
                         await self.nc.flush(timeout=2)
                     except Exception as e:
                         log.warning("worker %s: could not say goodbye: %s", self.id, e)
@@ -242,7 +242,7 @@ class WorkerService:
             if self.nc.is_connected:
                 try:
                     await self.nc.publish(
-                        self.subjects.worker_heartbeat, encode(Heartbeat(worker_id=self.id, state=self.state()))
+                        self.subjects.worker_event(self.id, "heartbeat"), encode(Heartbeat(worker_id=self.id, state=self.state()))
                     )
                 except Exception as e:  # reconnecting; the next beat retries
                     log.debug("heartbeat failed: %s", e)

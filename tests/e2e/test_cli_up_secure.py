@@ -70,7 +70,7 @@ def test_status_without_credentials_is_refused(up):
 
 
 def test_pause_with_the_worker_credentials_is_permission_denied(up):
-    worker_env = read_env_file(up.trainer_env.parent / "worker.env")
+    worker_env = read_env_file(up.trainer_env.parent / "worker-worker-0.env")  # worker-0's own identity
     result = _rlbus("pause", "--nats-url", up.url, env=_env(**worker_env))
     assert result.returncode != 0
     assert "PERMISSION_DENIED" in result.stderr, result.stderr

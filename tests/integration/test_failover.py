@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import anyio
 import pytest
 
 from rlbus.runners.children import spawn
@@ -77,7 +78,7 @@ async def fleet(nats_server, prefix):
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
-                p.wait(10)
+                await anyio.to_thread.run_sync(p.wait, 10)
         await rl.close()
         await f.close()
 
@@ -126,4 +127,4 @@ async def test_no_call_is_lost_when_the_leader_freezes_or_dies(fleet):
         gap, answered = await _calls_after_a_fault(rl, leader)
         print(f"leader killed (SIGKILL): first call answered after {gap:.2f}s by {answered[0]}")
     procs[1].send_signal(signal.SIGCONT)  # the frozen leader finds its lease taken and steps down
-    procs[1].wait(15)
+    await anyio.to_thread.run_sync(procs[1].wait, 15)

@@ -193,13 +193,13 @@ async def test_a_worker_that_never_answers_makes_pause_fail_with_deadline_exceed
 
     async def beat() -> None:
         while True:
-            await mute.publish(subjects.worker_heartbeat, encode(Heartbeat(worker_id="mute", state=WorkerState(worker_id="mute"))))
+            await mute.publish(subjects.worker_event("mute", "heartbeat"), encode(Heartbeat(worker_id="mute", state=WorkerState(worker_id="mute"))))
             await asyncio.sleep(0.25)
 
     await mute.subscribe(subjects.worker_commands("mute"), cb=swallow)
     await mute.flush()
     caps = Capabilities(sleep_mode_enabled=True, model_name="tiny-lm")
-    await mute.publish(subjects.worker_ready, encode(WorkerReady(worker_id="mute", capabilities=caps, state=WorkerState(worker_id="mute"))))
+    await mute.publish(subjects.worker_event("mute", "ready"), encode(WorkerReady(worker_id="mute", capabilities=caps, state=WorkerState(worker_id="mute"))))
     beats = asyncio.create_task(beat())
     try:
         await f.wait_for_workers(["mute"])

@@ -19,9 +19,9 @@ import rlbus
 from rlbus.sdk.client import RLClient
 from rlbus.bus.connection import NatsAuth, connect, denials_of, drain, request
 from rlbus.runners.local import LocalFleet
-from rlbus.runners.natsconfig import ROLES, read_env_file, write_config
+from rlbus.runners.natsconfig import identities, permission_matrix, read_env_file, write_config
 from rlbus.runners.natsserver import NatsServer
-from rlbus.schemas import PauseWorker, Subjects, encode
+from rlbus.schemas import PauseWorker, Subjects, WorkerAck, WorkerGone, WorkerState, encode
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -33,7 +33,7 @@ WORKERS = ("w0", "w1")
 
 
 def _auth(env: dict[str, str]) -> NatsAuth:
-    return NatsAuth(user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"])
+    return NatsAuth(user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"], inbox=env.get("RLBUS_NATS_INBOX"))
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -44,22 +44,22 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):  # noqa: ANN201
-    """(server, {role: env}) for a server whose only users are the four rlbus roles."""
-    paths = write_config(tmp_path_factory.mktemp("nats-secure"), prefix=PREFIX)
+    """(server, {identity: env}) for a server whose only users are the rlbus roles and one per worker."""
+    paths = write_config(tmp_path_factory.mktemp("nats-secure"), prefix=PREFIX, workers=WORKERS)
     with NatsServer(config_file=paths["config"]) as server:
-        yield server, {r: read_env_file(paths[r]) for r in ROLES}
+        yield server, {r: read_env_file(paths[r]) for r in identities(WORKERS)}
 
 
 @pytest.fixture(scope="module")
 async def fleet(secure):  # noqa: ANN201
-    """Controller and workers started with THEIR role credentials (read from RLBUS_NATS_*)."""
+    """Controller and workers started with THEIR credentials (read from RLBUS_NATS_*): each worker its own."""
     server, creds = secure
     subjects = Subjects(prefix=PREFIX)
     f = LocalFleet(server.url)
     with pytest.MonkeyPatch.context() as mp:
-        for role, opts in [("controller", None)] + [("worker", w) for w in WORKERS]:
-            mp.setenv("RLBUS_NATS_USER", creds[role]["RLBUS_NATS_USER"])
-            mp.setenv("RLBUS_NATS_PASSWORD", creds[role]["RLBUS_NATS_PASSWORD"])
+        for role, opts in [("controller", None)] + [(f"worker-{w}", w) for w in WORKERS]:
+            for key in ("RLBUS_NATS_USER", "RLBUS_NATS_PASSWORD", "RLBUS_NATS_INBOX"):
+                mp.setenv(key, creds[role][key])
             if opts is None:
                 await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10.0, liveness_timeout_s=1.5))
             else:
@@ -108,7 +108,7 @@ async def test_fleet_works_end_to_end_with_least_privilege(fleet, trainer):
 
 async def test_a_worker_identity_cannot_send_control_commands(secure, fleet, trainer):
     server, creds = secure
-    async with await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["worker"])) as rogue:
+    async with await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["worker-w0"])) as rogue:
         t0 = time.monotonic()
         with pytest.raises(rlbus.PermissionDenied) as err:
             await rogue.pause("abort")
@@ -186,7 +186,7 @@ def test_a_controller_started_with_a_workers_credentials_exits_2_naming_the_jets
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus", "controller", "--nats-url", server.url, "--prefix", "rlx"],
-        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["worker"]),
+        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["worker-w0"]),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "$js.api" in proc.stderr.lower() and "denies" in proc.stderr, proc.stderr[-3000:]
@@ -202,10 +202,10 @@ def test_nats_config_cli_writes_private_files_a_server_accepts(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     files = {p.name: p for p in out.iterdir()}
-    assert set(files) == {"nats.conf", *(f"{r}.env" for r in ROLES)}
+    assert set(files) == {"nats.conf", *(f"{r}.env" for r in identities(["worker-0", "worker-1"]))}
     for p in files.values():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, f"{p.name} is {oct(p.stat().st_mode)}"
-    for r in ROLES:
+    for r in identities(["worker-0", "worker-1"]):
         env = read_env_file(files[f"{r}.env"])
         assert env["RLBUS_NATS_USER"] == f"rlbus-{r}" and len(env["RLBUS_NATS_PASSWORD"]) >= 16
     with NatsServer(config_file=files["nats.conf"]) as server:
@@ -224,3 +224,84 @@ def _check_login(url: str, env: dict[str, str]) -> None:
 
     anyio.run(login)
 
+
+
+# ---- one identity per worker; replies only to their requester ----------------------------------
+
+
+async def _denied(nc, subject: str) -> None:  # noqa: ANN001
+    await eventually(lambda: denials_of(nc).denied(subject), timeout=5, what=f"the server refusing {subject}")
+
+
+async def test_a_worker_identity_cannot_evict_another_worker(secure, fleet, trainer):
+    server, creds = secure
+    subjects = Subjects(prefix=PREFIX)
+    nc = await connect(server.url, name="rogue-w0", auth=_auth(creds["worker-w0"]))
+    try:
+        forged = subjects.worker_event("w1", "gone")
+        await nc.publish(forged, encode(WorkerGone(worker_id="w1", reason="forged")))
+        await _denied(nc, forged)
+        # under its own id, a goodbye that claims to be w1's is ignored by the controller
+        await nc.publish(subjects.worker_event("w0", "gone"), encode(WorkerGone(worker_id="w1", reason="forged")))
+        await nc.flush()
+    finally:
+        await drain(nc)
+    paused = await trainer.pause("abort")  # the next fan-out still counts w1
+    try:
+        assert [w.worker_id for w in paused.workers] == list(WORKERS)
+        assert "w1" in fleet.controller.registry
+    finally:
+        await trainer.resume()
+
+
+async def test_a_worker_identity_cannot_hear_or_answer_another_workers_commands(secure, fleet, trainer):
+    server, creds = secure
+    subjects = Subjects(prefix=PREFIX)
+    nc = await connect(server.url, name="rogue-w0", auth=_auth(creds["worker-w0"]))
+    forged = encode(WorkerAck(state=WorkerState(worker_id="w1", paused=True, weight_version="FORGED")))
+
+    async def answer(msg) -> None:  # noqa: ANN001
+        await msg.respond(forged)
+
+    try:
+        subject = subjects.worker("w1", "status")
+        await nc.subscribe(subject, cb=answer)
+        await _denied(nc, subject)
+        for _ in range(8):
+            assert not await trainer.is_paused()
+        assert "FORGED" not in await trainer.get_weight_version()
+    finally:
+        await drain(nc)
+
+
+async def test_no_identity_can_read_the_replies_of_another(secure, fleet):
+    server, creds = secure
+    for identity in ("trainer", "observer", "worker-w0"):
+        nc = await connect(server.url, name=f"snoop-{identity}", auth=_auth(creds[identity]))
+        try:
+            await nc.subscribe("_INBOX.>")
+            await _denied(nc, "_INBOX.>")
+        finally:
+            await drain(nc)
+
+
+async def test_the_trainer_and_the_observer_discover_the_services_with_standard_tooling(secure, fleet):
+    server, creds = secure
+    for identity in ("trainer", "observer"):
+        nc = await connect(server.url, name=f"tooling-{identity}", auth=_auth(creds[identity]))
+        try:
+            msg = await request(nc, "$SRV.PING.rlbus-controller", b"", 5.0)
+            assert b"rlbus-controller" in msg.data
+        finally:
+            await drain(nc)
+
+
+def test_a_worker_with_another_workers_credentials_cannot_join_as_it(secure, fleet):
+    server, creds = secure
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlbus", "worker", "--nats-url", server.url, "--id", "w1"],
+        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["worker-w0"]),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rl.worker.w1.status" in proc.stderr.lower() and "denies" in proc.stderr, proc.stderr[-3000:]
+    assert "w1" in fleet.controller.registry

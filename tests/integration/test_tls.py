@@ -38,7 +38,7 @@ def tls_server(tmp_path_factory):
 
 def _trainer(paths, **tls) -> NatsAuth:  # noqa: ANN001, ANN003
     env = read_env_file(paths["trainer"])
-    return NatsAuth(user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"], **tls)
+    return NatsAuth(user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"], inbox=env["RLBUS_NATS_INBOX"], **tls)
 
 
 async def test_a_client_that_trusts_the_servers_ca_connects_over_tls(tls_server):
