@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -57,3 +59,11 @@ async def fleet_running(url: str, prefix: str, *args: object, **kw: object) -> A
     finally:
         await rl.close()
         await fleet.close()
+
+
+def worker_command(url: str, prefix: str, worker_id: str, backend: str, model: ModelConfig = SMALL) -> list[str]:
+    """`rlbus worker` as a real process, hosting the reference engine with `model`'s shape."""
+    return [sys.executable, "-m", "rlbus", "worker", "--nats-url", url, "--prefix", prefix, "--id", worker_id,
+            "--weight-transfer-backend", backend, "--heartbeat", "0.2",
+            "--vocab-size", str(model.vocab_size), "--d-model", str(model.d_model), "--n-layers", str(model.n_layers),
+            "--n-heads", str(model.n_heads), "--max-seq-len", str(model.max_seq_len), "--seed", str(model.seed)]

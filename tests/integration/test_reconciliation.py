@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 
 import pytest
@@ -21,6 +20,7 @@ from rlbus.sdk.client import RLClient
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+from tests.fleet import worker_command
 from tests.looplag import LoopLag
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, generate_all, new_version, trained
@@ -30,11 +30,7 @@ PROC = "wp"
 
 
 def _worker_cmd(url: str, prefix: str) -> list[str]:
-    cfg = MODEL
-    return [sys.executable, "-m", "rlbus", "worker", "--nats-url", url, "--prefix", prefix, "--id", PROC,
-            "--weight-transfer-backend", "gloo", "--heartbeat", "0.2",
-            "--vocab-size", str(cfg.vocab_size), "--d-model", str(cfg.d_model), "--n-layers", str(cfg.n_layers),
-            "--n-heads", str(cfg.n_heads), "--max-seq-len", str(cfg.max_seq_len), "--seed", str(cfg.seed)]
+    return worker_command(url, prefix, PROC, "gloo", MODEL)
 
 
 @pytest.fixture(scope="module")

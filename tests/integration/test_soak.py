@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,6 +33,7 @@ import rlbus
 from rlbus.runners.children import spawn
 from rlbus.sdk.client import RLClient
 from rlbus.runners.local import LocalFleet
+from tests.fleet import worker_command
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,
@@ -66,11 +66,7 @@ def _options(prefix: str) -> ControllerOptions:
 
 
 def _worker_cmd(url: str, prefix: str) -> list[str]:
-    cfg = MODEL
-    return [sys.executable, "-m", "rlbus", "worker", "--nats-url", url, "--prefix", prefix, "--id", PROC,
-            "--weight-transfer-backend", "shm", "--heartbeat", "0.2",
-            "--vocab-size", str(cfg.vocab_size), "--d-model", str(cfg.d_model), "--n-layers", str(cfg.n_layers),
-            "--n-heads", str(cfg.n_heads), "--max-seq-len", str(cfg.max_seq_len), "--seed", str(cfg.seed)]
+    return worker_command(url, prefix, PROC, "shm", MODEL)
 
 
 async def _worker(f: LocalFleet, prefix: str, worker_id: str) -> None:
