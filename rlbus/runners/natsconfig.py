@@ -31,15 +31,12 @@ class Tls(msgspec.Struct, frozen=True, kw_only=True):
 def _kv_read(subjects: Subjects) -> list[str]:
     stream = subjects.kv_stream
     return [
+        # reads only: no consumer creation, so a reader cannot name a deliver subject the server
+        # would then publish to on its behalf (rl.version, say)
         "$JS.API.INFO",
         f"$JS.API.STREAM.INFO.{stream}",
-        f"$JS.API.CONSUMER.CREATE.{stream}",
-        f"$JS.API.CONSUMER.CREATE.{stream}.>",
-        f"$JS.API.CONSUMER.INFO.{stream}.>",
-        f"$JS.API.CONSUMER.DELETE.{stream}.>",
         f"$JS.API.DIRECT.GET.{stream}.>",
         f"$JS.API.STREAM.MSG.GET.{stream}",
-        "$JS.FC.>",
     ]
 
 

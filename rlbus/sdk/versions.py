@@ -10,7 +10,6 @@ import anyio
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
-from nats.js.api import DeliverPolicy
 
 from rlbus.bus.connection import denials_of
 from rlbus.schemas import DEFAULT_VERSION, KvKey, PermissionDenied, Subjects, Unavailable, VersionInfo, version_decoder
@@ -18,43 +17,51 @@ from rlbus.schemas import DEFAULT_VERSION, KvKey, PermissionDenied, Subjects, Un
 log = logging.getLogger("rlbus.sdk.versions")
 T = TypeVar("T")
 
-# The JetStream API timeout of the watcher's setup: a request lost in a server restart is retried soon.
+# The JetStream API timeout of the watcher's reads: a request lost in a server restart is retried soon.
 WATCH_API_TIMEOUT_S = 2.0
+
+POLL_S = 1.0
+"""Without an rl.version event for this long, the watcher reads KV anyway."""
 
 
 async def watch_versions(nc: Client, subjects: Subjects) -> AsyncIterator[VersionInfo]:
-    """Yield the committed version first, then each new one. Backed by JetStream KV, so a
-    subscriber that was disconnected, even while it was still subscribing, still ends on
-    the current version."""
+    """Yield the committed version first, then each new one.
+
+    Only what the state KV holds is yielded: an `rl.version` event is a hint to read KV (a
+    direct get, no consumer: a reader needs no right to create JetStream consumers, so it
+    cannot make the server publish where it may not), and KV is read again whenever no event
+    came for POLL_S, so a watcher that was disconnected, even while it was still subscribing,
+    still ends on the current version. A record is new when its KV revision changed."""
     js = nc.jetstream(timeout=WATCH_API_TIMEOUT_S)
     try:
         kv = await retry_transient(nc, lambda: js.key_value(subjects.kv_bucket))
     except nats.js.errors.BucketNotFoundError:
         raise Unavailable("no controller has run on this prefix yet (no state bucket)") from None
-    # Subscribe before reading the current value, so no commit falls between the two.
-    # An ordered consumer with a 1 s idle heartbeat notices a lost server within seconds
-    # and resumes after the last sequence it delivered.
-    sub = await retry_transient(nc, lambda: js.subscribe(
-        subjects.kv_subject(KvKey.VERSION), stream=subjects.kv_stream,
-        ordered_consumer=True, idle_heartbeat=1.0,
-        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-    ))
-    try:
+    hints = await nc.subscribe(subjects.version)  # before the first read: no commit falls between
+
+    async def read() -> tuple[int, VersionInfo]:
         try:
             entry = await retry_transient(nc, lambda: kv.get(KvKey.VERSION))
-            seen, current = entry.revision or 0, version_decoder.decode(entry.value)
         except nats.js.errors.KeyNotFoundError:
-            seen, current = 0, VersionInfo(version=DEFAULT_VERSION)
+            return 0, VersionInfo(version=DEFAULT_VERSION)
+        return entry.revision or 0, version_decoder.decode(entry.value)
+
+    try:
+        seen, current = await read()
         yield current
-        async for msg in sub.messages:
-            if msg.metadata.sequence.stream <= seen or not msg.data:
-                continue
-            seen = msg.metadata.sequence.stream
-            yield version_decoder.decode(msg.data)
+        while True:
+            try:
+                await hints.next_msg(timeout=POLL_S)
+            except nats.errors.TimeoutError:
+                pass  # idle: read KV anyway (a commit may have happened while disconnected)
+            revision, record = await read()
+            if revision != seen:
+                seen = revision
+                yield record
     finally:
         with anyio.CancelScope(shield=True):
             try:
-                await sub.unsubscribe()
+                await hints.unsubscribe()
             except Exception:  # the connection is already closing
                 pass
 

@@ -7,6 +7,7 @@ One server and one fleet (controller + 2 gloo workers, prefix `rl`) serve the mo
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -305,3 +306,20 @@ def test_a_worker_with_another_workers_credentials_cannot_join_as_it(secure, fle
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rl.worker.w1.status" in proc.stderr.lower() and "denies" in proc.stderr, proc.stderr[-3000:]
     assert "w1" in fleet.controller.registry
+
+
+async def test_a_reader_cannot_make_the_server_publish_on_rl_version(secure, fleet, trainer):
+    server, creds = secure
+    stream = Subjects(prefix=PREFIX).kv_stream
+    config = json.dumps({"stream_name": stream, "config": {"deliver_subject": "rl.version", "deliver_policy": "all",
+                                                           "ack_policy": "none"}}).encode()
+    for identity in ("observer", "trainer"):
+        nc = await connect(server.url, name=f"rogue-{identity}", auth=_auth(creds[identity]))
+        try:
+            with pytest.raises(rlbus.PermissionDenied):
+                await request(nc, f"$JS.API.CONSUMER.CREATE.{stream}", config, 5.0)
+        finally:
+            await drain(nc)
+    committed = (await trainer.server_info()).weight_version
+    async with await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["observer"])) as obs:
+        assert await first_watched_version(obs) == committed  # watching needs no consumer
