@@ -44,6 +44,7 @@ from .errors import (
     Unavailable,
     error_for,
     from_nack,
+    refuse,
 )
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
 from .generate import FinishReason, GenerateReply, GenerateRequest

@@ -70,6 +70,13 @@ _BY_CODE: dict[str, type[RLBusError]] = {
 }
 
 
+def refuse(message: str, why: dict[str, str], code: ErrorCode = "FAILED_PRECONDITION") -> RLBusError:
+    """A refusal that concerns workers: `why` maps each worker id to its reason, carried in
+    `failures` (structured, for callers) as well as in the message (for people)."""
+    failures = [WorkerFailure(worker_id=w, code=code, message=m) for w, m in sorted(why.items())]
+    return error_for(code, message, failures)
+
+
 def error_for(code: str, message: str, failures: list[WorkerFailure] | None = None) -> RLBusError:
     """The exception for a code (INTERNAL for an unknown one)."""
     return _BY_CODE.get(code, Internal)(message, failures)

@@ -12,7 +12,8 @@ from .state import DEFAULT_VERSION, Capabilities, FleetState, WorkerInfo, Worker
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, kw_only=True):
-    """Why one worker failed a fan-out."""
+    """Why one worker failed a fan-out, or stands in the way of a command (busy, asleep, lacking
+    a capability): every refusal that concerns workers names each one here."""
 
     worker_id: str
     code: ErrorCode
@@ -37,6 +38,9 @@ class FleetAck(Message, frozen=True, kw_only=True, tag="fleet_ack"):
     """Every worker ran the command; their states afterwards, in rank order."""
 
     workers: list[WorkerState]
+    answer: bool | None = None
+    """The fleet's answer to a question: is_paused (every worker paused), is_sleeping (any
+    worker has a part asleep); None for other commands."""
     session_id: str | None = None
     weight_version: str | None = None
     epoch: int = 0

@@ -17,7 +17,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
-from nats.micro.request import Request
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import Request, ServiceError
 from nats.micro.service import Group
 
 from rlbus.schemas import UNDECODABLE_STATUS, DeadlineExceeded, Internal, InvalidArgument, Message, RLBusError, encode, op_of
@@ -32,7 +34,6 @@ Handler = Callable[[Any], Awaitable[object]]
 REPLY_MARGIN_S = 0.2
 """A command with a deadline is answered this long before it, so the answer reaches the caller."""
 
-MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 class Route(Generic[C]):
@@ -48,6 +49,8 @@ class Route(Generic[C]):
         self.inline = inline
         self.read = read
         """Changes nothing: its answers need not outlive the process."""
+        self.decoder = msgspec.json.Decoder(kind)
+        """This command alone: `kind` may be left out on its own subject."""
 
     def runs_inline(self, cmd: C) -> bool:
         return self.inline(cmd) if callable(self.inline) else self.inline
@@ -57,9 +60,7 @@ class Routes:
     """A service's one dispatch table: handlers registered by command type. The op (the
     subject's last token) is the type's wire tag, so adding an op is one `add`."""
 
-    def __init__(self, decoder: msgspec.json.Decoder) -> None:
-        self.decoder = decoder
-        """Decodes every command this service accepts (one direction of the contract)."""
+    def __init__(self) -> None:
         self._by_op: dict[str, Route[Any]] = {}
 
     def add(self, kind: type[C], handler: Callable[[C], Awaitable[object]], *, inline: bool | Callable[[C], bool] = False,
@@ -76,32 +77,32 @@ class Routes:
         return set(self._by_op)
 
     def decode(self, op: str, data: bytes) -> Message:
-        """Decode and check the payload's kind matches the subject's op.
+        """Decode the command the subject names. The payload is a JSON object; its `kind`
+        may be left out (the subject names the op) and must match when present; an empty
+        payload is the command with every default.
 
         Raises DecodeError (answered with a 400) for a payload that is not this op's command
-        at all, and InvalidArgument (a typed refusal) for one of the right kind whose field
-        holds a wrong value, naming the values it allows."""
-        if len(data) > MAX_PAYLOAD:
-            raise DecodeError(f"payload of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-        data = data or b'{"kind":"%s"}' % op.encode()
+        at all (not a JSON object, another kind), and InvalidArgument (a typed refusal) for
+        one whose field holds a wrong value or lacks a required one, naming what it allows."""
+        route = self._by_op[op]
+        doc = _object_of(data) if data else {}
+        if doc is None:
+            raise DecodeError(f"a {op} payload must be a JSON object")
+        kind = doc.get("kind", op)
+        if kind != op:
+            raise DecodeError(f"payload kind {kind!r} does not match the subject's op {op!r}")
         try:
-            cmd = self.decoder.decode(data)
+            return route.decoder.decode(data or b"{}")
         except ValidationError as e:
-            route = self._by_op.get(op)
-            if route is not None and _kind_of(data) == op:
-                raise InvalidArgument(invalid_field(route.kind, e)) from None
-            raise
-        if op_of(cmd) != op:
-            raise DecodeError(f"payload kind {op_of(cmd)!r} does not match the subject's op {op!r}")
-        return cmd
+            raise InvalidArgument(invalid_field(route.kind, e)) from None
 
 
-def _kind_of(data: bytes) -> object:
+def _object_of(data: bytes) -> dict[str, Any] | None:
     try:
         doc = msgspec.json.decode(data)
     except msgspec.DecodeError:
         return None
-    return doc.get("kind") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else None
 
 
 class StoredReply(msgspec.Struct, frozen=True):
@@ -216,8 +217,8 @@ class Endpoints:
                 await req.respond(encode(e.to_nack()))
                 return
             except DecodeError as e:
-                await req.respond_error(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}")
-                return
+                # raised, not answered: the micro service answers it and counts it in num_errors
+                raise ServiceError(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}") from None
             print_ = fingerprint(op, req.data)
             if route.runs_inline(cmd) and cmd.command_id not in self.replies:  # type: ignore[attr-defined]
                 await self._reply(req, lambda: self._answer(route, handler, cmd, print_), counted=False)
@@ -226,16 +227,21 @@ class Endpoints:
 
         return on_request
 
-    def unknown(self, known: set[str]) -> Callable[[Request], Awaitable[None]]:
-        """A catch-all endpoint for `<...>.*`: a typed 400 for an operation that does not exist.
-        Known operations also arrive here; their own endpoint answers them."""
+    @staticmethod
+    def unknown(nc: Client, known: set[str]) -> Callable[[Msg], Awaitable[None]]:
+        """A catch-all subscription for `<...>.*`: a 400 for an operation that does not exist.
+        Known operations also arrive here (their own endpoint answers them), so it is a plain
+        subscription, not a micro endpoint: the service's stats count only real requests."""
 
-        async def on_request(req: Request) -> None:
-            op = req.subject.rsplit(".", 1)[-1]
-            if op not in known and req._msg.reply:
-                await req.respond_error(UNDECODABLE_STATUS, f"unknown operation {op!r}; operations: {sorted(known)}")
+        async def on_message(msg: Msg) -> None:
+            op = msg.subject.rsplit(".", 1)[-1]
+            if op not in known and msg.reply:
+                await nc.publish(msg.reply, b"", headers={
+                    "Nats-Service-Error": f"unknown operation {op!r}; operations: {sorted(known)}",
+                    "Nats-Service-Error-Code": UNDECODABLE_STATUS,
+                })
 
-        return on_request
+        return on_message
 
     def spawn(self, req: Request, work: Callable[[], Awaitable[bytes]]) -> None:
         self._in_flight += 1

@@ -171,8 +171,7 @@ class RLClient:
 
     async def is_paused(self) -> bool:
         """True when every worker is paused."""
-        ack = await self.call(IsPaused(), FleetAck)
-        return all(w.paused for w in ack.workers)
+        return bool((await self.call(IsPaused(), FleetAck)).answer)
 
     async def sleep(self, level: int = 1, tags: Sequence[SleepTag] | None = None) -> FleetAck:
         """Free engine memory. level 1: weights to host backup + KV cache freed; level 2: weights
@@ -184,8 +183,7 @@ class RLClient:
 
     async def is_sleeping(self) -> bool:
         """True while any worker has any part asleep."""
-        ack = await self.call(IsSleeping(), FleetAck)
-        return any(w.sleeping_tags for w in ack.workers)
+        return bool((await self.call(IsSleeping(), FleetAck)).answer)
 
     # ---- update sessions (the trainer's side lives in self.push) ----------------------
 

@@ -23,10 +23,12 @@ from nats.micro.service import Service
 from rlbus.schemas import (
     UNKNOWN_OP_QUEUE,
     Capabilities,
+    DEFAULT_VERSION,
     SLEEP_TAGS,
     ControllerHello,
     FleetState,
     FailedPrecondition,
+    refuse,
     FleetAck,
     GetServerInfo,
     GetStatus,
@@ -49,7 +51,6 @@ from rlbus.schemas import (
     WorkerGone,
     WorkerReady,
     WorkerState,
-    control_decoder,
     encode,
     event_decoder,
 )
@@ -139,7 +140,13 @@ class ControllerService:
             return
         self.standby_for = None
         self.fleet.epoch = await store.take_epoch()
-        self.updates = Updates(self.fleet, store, await store.version(), unique_versions=self.opts.unique_versions)
+        version = await store.version()
+        if version.epoch == 0 and version.seq == 0 and version.version == DEFAULT_VERSION:
+            # nothing committed yet: record "default" at this epoch, so the KV key exists from the
+            # start and every reply names one coherent epoch
+            version = msgspec.structs.replace(version, epoch=self.fleet.epoch, time=time.time())
+            await store.put_version(version)
+        self.updates = Updates(self.fleet, store, version, unique_versions=self.opts.unique_versions)
         self.desired = await store.desired()
 
         async def write_back() -> None:  # the bucket vanished under a running leader: it knows everything
@@ -171,10 +178,11 @@ class ControllerService:
             group = self._micro.add_group(name=self.subjects.control_group)
             routes = self._routes()
             await eps.serve(group, routes)
-            await group.add_endpoint(name="unknown", subject="*", queue_group=UNKNOWN_OP_QUEUE, handler=eps.unknown(routes.ops()))
             subs = [
-                await self.nc.subscribe(self.subjects.worker_events(kind), cb=self._on_worker_event)  # type: ignore[arg-type]
-                for kind in ("ready", "heartbeat", "gone")
+                await self.nc.subscribe(f"{self.subjects.control_group}.*", queue=UNKNOWN_OP_QUEUE,
+                                        cb=Endpoints.unknown(self.nc, routes.ops())),
+                *[await self.nc.subscribe(self.subjects.worker_events(kind), cb=self._on_worker_event)  # type: ignore[arg-type]
+                  for kind in ("ready", "heartbeat", "gone")],
             ]
             await self.nc.flush()
             await self._hello()
@@ -309,7 +317,7 @@ class ControllerService:
 
     def _routes(self) -> Routes:
         """The controller's dispatch table. server_info reads memory only: answered inline."""
-        r = Routes(control_decoder)
+        r = Routes()
         r.add(Pause, self._pause)
         r.add(Resume, self._resume)
         r.add(IsPaused, self._status, read=True)
@@ -346,17 +354,15 @@ class ControllerService:
             workers = self.fleet.ids()
             no_sleep = [w for w in workers if not self.registry.capabilities(w).sleep_mode_enabled]
             if no_sleep:
-                raise FailedPrecondition(
-                    f"workers {no_sleep} were started without sleep mode; restart them with --enable-sleep-mode"
-                )
+                raise refuse(f"workers {no_sleep} were started without sleep mode; restart them with --enable-sleep-mode",
+                             dict.fromkeys(no_sleep, "started without sleep mode"))
             # refuse before anything changes: a worker with requests in flight cannot sleep
             status = await self.fleet.send(stamped(GetStatus), workers)
             status.raise_for_failures("sleep (status check)")
             busy = {w: st.in_flight for w, st in status.acks.items() if st.in_flight}
             if busy:
-                raise FailedPrecondition(
-                    f"requests are in flight on {busy}; pause with mode='abort' or 'wait' before sleeping"
-                )
+                raise refuse(f"requests are in flight on {sorted(busy)}; pause with mode='abort' or 'wait' before sleeping",
+                             {w: f"{n} requests in flight" for w, n in busy.items()})
             out = await self.fleet.send(stamped(SleepWorker, level=cmd.level, tags=cmd.tags), workers)
             if not out.ok and out.acks and cmd.level == 1:
                 # all or nothing: wake the workers that did fall asleep
@@ -379,7 +385,10 @@ class ControllerService:
         return self.updates.ack(out)
 
     async def _status(self, cmd: IsPaused | IsSleeping) -> FleetAck:
-        return self.updates.ack(await self.fleet.send_all(stamped(GetStatus), "status"))
+        ack = self.updates.ack(await self.fleet.send_all(stamped(GetStatus), "status"))
+        if isinstance(cmd, IsPaused):
+            return msgspec.structs.replace(ack, answer=all(w.paused for w in ack.workers))
+        return msgspec.structs.replace(ack, answer=any(w.sleeping_tags for w in ack.workers))
 
     async def _server_info(self, cmd: GetServerInfo) -> ServerInfo:
         return ServerInfo(

@@ -34,6 +34,7 @@ from rlbus.schemas import (
     checksums_problem,
     encode,
     error_for,
+    refuse,
     version_problem,
 )
 from rlbus.services.endpoints import Routes
@@ -155,9 +156,11 @@ class Updates:
             backends = {w: registry.capabilities(w).weight_transfer_backend for w in workers}
             missing = [w for w, b in backends.items() if b is None]
             if missing:
-                raise FailedPrecondition(f"workers {missing} have no weight transfer backend; start them with --weight-transfer-backend")
+                raise refuse(f"workers {missing} have no weight transfer backend; start them with --weight-transfer-backend",
+                             dict.fromkeys(missing, "no weight transfer backend"))
             if len(set(backends.values())) > 1:
-                raise FailedPrecondition(f"workers disagree on the transfer backend: {backends}")
+                raise refuse(f"workers disagree on the transfer backend: {backends}",
+                             {w: f"backend {b}" for w, b in backends.items()})
             fleet_backend = next(iter(backends.values()))
             wanted = cmd.backend or init.backend
             if wanted != fleet_backend or init.backend != fleet_backend:
@@ -182,20 +185,23 @@ class Updates:
             workers = self.fleet.ids()
             if target == "draft" and not registry.aggregate().supports_draft_weight_updates:
                 lacking = [w for w in workers if not registry.capabilities(w).supports_draft_weight_updates]
-                raise FailedPrecondition(
-                    f"workers {lacking} cannot update a draft model (no draft, speculation off, or the backend does not support it)"
+                raise refuse(
+                    f"workers {lacking} cannot update a draft model (no draft, speculation off, or the backend does not support it)",
+                    dict.fromkeys(lacking, "cannot update a draft model"),
                 )
             asleep = [w for w in workers if "weights" in registry.state(w).sleeping_tags]
             if asleep:
-                raise FailedPrecondition(
+                raise refuse(
                     f"weights are asleep on {asleep}; call wake_up(tags=['weights']) first "
-                    "(after a level-2 sleep: wake weights -> update -> wake kv_cache)"
+                    "(after a level-2 sleep: wake weights -> update -> wake kv_cache)",
+                    dict.fromkeys(asleep, "weights asleep"),
                 )
             serving = [w for w in workers if registry.capabilities(w).update_mode == "in_place" and not registry.state(w).paused]
             if serving:
-                raise FailedPrecondition(
+                raise refuse(
                     f"workers {serving} update in place (bytes land in the live weights) and are not paused; "
-                    "pause first (push_weights does), so nothing uncommitted is served"
+                    "pause first (push_weights does), so nothing uncommitted is served",
+                    dict.fromkeys(serving, "updates in place and is not paused"),
                 )
             sid = uuid.uuid4().hex[:16]
             step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
@@ -218,9 +224,10 @@ class Updates:
             elsewhere = {w: self.fleet.registry.state(w).transfer_group for w in self.fleet.ids()}
             elsewhere = {w: g for w, g in elsewhere.items() if g != cmd.group}
             if cmd.group and elsewhere:
-                raise FailedPrecondition(
+                raise refuse(
                     f"workers {sorted(elsewhere)} are not in transfer group {cmd.group!r} (another trainer's "
-                    "init_weight_transfer, or they left it): no byte would reach them; call init_weight_transfer() again"
+                    "init_weight_transfer, or they left it): no byte would reach them; call init_weight_transfer() again",
+                    {w: f"in transfer group {g!r}" for w, g in elsewhere.items()},
                 )
             sid = self.session_id or ""
             workers = self.fleet.ids()
@@ -362,16 +369,18 @@ class Updates:
             groups: dict[str, list[str]] = {}
             for w, v in sorted(seen.items()):
                 groups.setdefault(v, []).append(w)
-            raise FailedPrecondition(
+            raise refuse(
                 "workers disagree on the weight version: " + "; ".join(f"{v}: {ws}" for v, ws in groups.items())
-                + f" (committed: {self.version.version}); push weights again to bring them in step"
+                + f" (committed: {self.version.version}); push weights again to bring them in step",
+                {w: f"holds {v}" for w, v in seen.items() if v != self.version.version},
             )
         held = next(iter(seen.values()))
         if held != self.version.version:
             # e.g. a controller died between its commit fan-out and its KV write: the workers agree on
             # weights that were never committed (and they are withheld from generation until a push)
-            raise FailedPrecondition(
+            raise refuse(
                 f"workers {sorted(seen)} all hold {held!r} but the committed version is {self.version.version!r} "
-                f"(seq {self.version.seq}); push weights again to bring them in step"
+                f"(seq {self.version.seq}); push weights again to bring them in step",
+                {w: f"holds {held}" for w in seen},
             )
         return msgspec.structs.replace(self.version, workers=len(seen))

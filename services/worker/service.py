@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.micro import add_service
-from nats.micro.request import Request
+from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
 from rlbus.schemas import (
@@ -55,7 +55,6 @@ from rlbus.schemas import (
     event_decoder,
     generate_request_decoder,
     op_of,
-    worker_command_decoder,
 )
 from rlbus.bus.connection import request
 from rlbus.schemas.codec import DecodeError
@@ -264,7 +263,7 @@ class WorkerService:
     def _routes(self) -> Routes:
         """The worker's dispatch table. Inline handlers never wait (answered inside the NATS
         callback); pause waits for requests in wait/keep mode, so it is inline only when idle."""
-        r = Routes(worker_command_decoder)
+        r = Routes()
         r.add(PauseWorker, self._pause, inline=self._idle)
         r.add(ResumeWorker, self._resume, inline=True)
         r.add(SleepWorker, self._sleep)
@@ -413,8 +412,7 @@ class WorkerService:
         try:
             gen = generate_request_decoder.decode(req.data)
         except DecodeError as e:
-            await req.respond_error(UNDECODABLE_STATUS, f"undecodable generate payload: {e}")
-            return
+            raise ServiceError(UNDECODABLE_STATUS, f"undecodable generate payload: {e}") from None
 
         if self.withheld or self._silent_too_long():  # delivered before it left the queue group
             await req.respond(encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack()))
