@@ -31,6 +31,18 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
 """Every code, most telling first: when several workers fail one fan-out differently, the
 error the caller gets carries the earliest of their codes (a lost worker explains the rest)."""
 
+ERROR_MEANINGS: dict[ErrorCode, str] = {
+    "UNAVAILABLE": "no workers, a worker is gone, or nothing answers the subject",
+    "DEADLINE_EXCEEDED": "a worker (or the controller) did not answer in time",
+    "PERMISSION_DENIED": "the NATS server refused this identity the subject",
+    "BAD_REQUEST": "the payload did not decode or names no operation (a NATS service error 400)",
+    "INVALID_ARGUMENT": "the request decoded but is wrong (a bad mode, version or metadata)",
+    "FAILED_PRECONDITION": "valid, but the fleet is not in a state to run it",
+    "ABORTED": "cancelled (e.g. the update session was aborted)",
+    "INTERNAL": "a bug or an unexpected fault; the message says where",
+}
+"""What each code means, for people (the generated protocol reference)."""
+
 # Status code put in the NATS micro `Nats-Service-Error-Code` header when a payload
 # does not decode at all (a transport fault, not a refusal).
 UNDECODABLE_STATUS = "400"

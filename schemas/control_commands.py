@@ -7,9 +7,10 @@ epochs) lives on the worker commands (worker_commands.py).
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from .base import Message
+from .replies import FleetAck, ServerInfo, VersionInfo
 from .state import Backend, PauseMode, SleepTag, UpdateTarget
 from .tensors import BucketMeta, ParamMeta, TransferInit
 
@@ -17,8 +18,12 @@ from .tensors import BucketMeta, ParamMeta, TransferInit
 class ControlCommand(Message, frozen=True, kw_only=True):
     """Fields every control command carries."""
 
+    reply: ClassVar[type[Message]] = FleetAck
+    """What the controller answers (or a Nack)."""
+
     command_id: str = ""
-    """Set by the sender; a retried command with the same id runs once."""
+    """Unique per command (the SDK uses a uuid4); a retry resends the same id and payload and
+    gets the first answer; the same id with another op or payload is refused."""
     timeout_s: float | None = None
     """How long the sender waits for the answer. The controller gives up no later (DEADLINE_EXCEEDED)
     and undoes what it started, so its lock is free for the sender's cleanup. None = no bound."""
@@ -55,7 +60,7 @@ class IsSleeping(ControlCommand, frozen=True, kw_only=True, tag="is_sleeping"):
 
 
 class GetServerInfo(ControlCommand, frozen=True, kw_only=True, tag="server_info"):
-    pass
+    reply: ClassVar[type[Message]] = ServerInfo
 
 
 class InitWeightTransfer(ControlCommand, frozen=True, kw_only=True, tag="init_weight_transfer"):
@@ -103,7 +108,9 @@ class UpdateWeightVersion(ControlCommand, frozen=True, kw_only=True, tag="update
 
 
 class GetWeightVersion(ControlCommand, frozen=True, kw_only=True, tag="get_weight_version"):
-    pass
+    """The version every worker holds (a refusal naming who disagrees otherwise)."""
+
+    reply: ClassVar[type[Message]] = VersionInfo
 
 
 AnyControlCommand = Union[

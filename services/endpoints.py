@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Group
 
-from rlbus.schemas import UNDECODABLE_STATUS, DeadlineExceeded, Internal, InvalidArgument, Message, RLBusError, encode, op_of
+from rlbus.schemas import UNDECODABLE_STATUS, DeadlineExceeded, WorkerAck, Internal, InvalidArgument, Message, RLBusError, encode, op_of
 from rlbus.schemas.codec import DecodeError, ValidationError, invalid_field
 
 log = logging.getLogger("rlbus.services")
@@ -203,7 +203,10 @@ class Endpoints:
     async def serve(self, group: Group, routes: Routes, wrap: Callable[[Handler], Handler] | None = None) -> None:
         """One micro endpoint per route in `group`; `wrap` may put a check (fencing) around each handler."""
         for route in routes:
-            await group.add_endpoint(name=route.op, subject=route.op, handler=self._endpoint(routes, route, wrap))
+            reply = getattr(route.kind, "reply", WorkerAck)  # control commands declare theirs
+            await group.add_endpoint(name=route.op, subject=route.op, handler=self._endpoint(routes, route, wrap),
+                                     metadata={"request": route.op, "reply": reply.__struct_config__.tag,
+                                               "schemas": "rlbus schema --out DIR; docs/protocol.md"})
 
     def _endpoint(self, routes: Routes, route: Route[Any], wrap: Callable[[Handler], Handler] | None) -> Callable[[Request], Awaitable[None]]:
         """Decodes, runs the handler (inline, or as a task the service owns) and replies."""

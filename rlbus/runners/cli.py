@@ -132,6 +132,33 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         click.echo("rlbus up: stopped", err=True)
 
 
+@main.command()
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the reference here (default: print it).")
+def protocol(out: str | None) -> None:
+    """The wire protocol reference (docs/protocol.md), generated from the schemas."""
+    from pathlib import Path
+
+    from rlbus.runners.protocol import render
+
+    text = render()
+    if out:
+        Path(out).write_text(text)
+    else:
+        click.echo(text, nl=False)
+
+
+@main.command()
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder for one <kind>.json per message.")
+def schema(out: str) -> None:
+    """Write a JSON Schema for every message on the wire."""
+    from pathlib import Path
+
+    from rlbus.runners.protocol import write_schemas
+
+    written = write_schemas(Path(out))
+    click.echo(f"wrote {len(written)} JSON Schemas to {out}")
+
+
 @main.command("nats-config")
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder for nats.conf and <role>.env files.")
 @click.option("--prefix", default="rl", show_default=True, help="Subject prefix the permissions cover.")
