@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import AsyncIterator
 
+import nats
+import nats.aio.client
 import pytest
 
 from tests.looplag import LoopLag
@@ -14,6 +16,14 @@ FAULT_MODULES = ("test_faults_", "test_abort_never_blocks", "test_deadlines", "t
 LAG_BOUND_S = 1.0
 """Generous on a loaded 2-core box; a blocked loop (a join, a teardown) stalls for the whole
 collective timeout (20-60 s), which this still catches. Tests about blocking set tighter bounds."""
+
+
+@pytest.fixture
+async def raw(nats_server) -> AsyncIterator[nats.aio.client.Client]:  # noqa: ANN001
+    """A bare NATS connection, as `nats req` or a foreign client would use."""
+    nc = await nats.connect(nats_server.url)
+    yield nc
+    await nc.close()
 
 
 @pytest.fixture(autouse=True)

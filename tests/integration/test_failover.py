@@ -105,26 +105,19 @@ def _age(proc: subprocess.Popen) -> float:
 
 async def test_no_call_is_lost_when_the_leader_freezes_or_dies(fleet):
     f, rl, procs, url, prefix, hole = fleet
+    faults = [
+        ("blackholed", lambda: setattr(hole, "holed", True)),  # the link goes silent: no error, no close
+        ("frozen (SIGSTOP)", lambda: procs[1].send_signal(signal.SIGSTOP)),
+        ("killed (SIGKILL)", lambda: procs[2].send_signal(signal.SIGKILL)),
+    ]
     async with LoopLag(bound=0.5):
         leader = await _leader(rl)
-        procs.append(_controller(url, prefix))
-        await _standby_ready(rl, procs[-1])
-        hole.holed = True  # the leader's link goes silent: no error, no close
-        gap, answered = await _calls_after_a_fault(rl, leader)
-        print(f"\nleader blackholed: first call answered after {gap:.2f}s by {answered[0]}")
-
-        leader = answered[-1]
-        procs.append(_controller(url, prefix))
-        await _standby_ready(rl, procs[-1])
-        procs[1].send_signal(signal.SIGSTOP)
-        gap, answered = await _calls_after_a_fault(rl, leader)
-        print(f"leader frozen (SIGSTOP): first call answered after {gap:.2f}s by {answered[0]}")
-
-        leader = answered[-1]
-        procs.append(_controller(url, prefix))
-        await _standby_ready(rl, procs[-1])
-        procs[2].send_signal(signal.SIGKILL)
-        gap, answered = await _calls_after_a_fault(rl, leader)
-        print(f"leader killed (SIGKILL): first call answered after {gap:.2f}s by {answered[0]}")
+        for what, fault in faults:  # each hits the leader of the moment: procs[0], then [1], then [2]
+            procs.append(_controller(url, prefix))
+            await _standby_ready(rl, procs[-1])
+            fault()
+            gap, answered = await _calls_after_a_fault(rl, leader)
+            print(f"\nleader {what}: first call answered after {gap:.2f}s by {answered[0]}")
+            leader = answered[-1]
     procs[1].send_signal(signal.SIGCONT)  # the frozen leader finds its lease taken and steps down
     await anyio.to_thread.run_sync(procs[1].wait, 15)

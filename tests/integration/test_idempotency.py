@@ -7,7 +7,6 @@ from __future__ import annotations
 import uuid
 
 import anyio
-import nats
 import pytest
 
 import rlbus
@@ -24,13 +23,6 @@ WORKERS = ("w0", "w1")
 async def fleet(nats_server, prefix):
     async with fleet_running(nats_server.url, prefix, WORKERS) as running:
         yield running
-
-
-@pytest.fixture
-async def raw(nats_server):
-    nc = await nats.connect(nats_server.url)
-    yield nc
-    await nc.close()
 
 
 async def _send(raw, prefix: str, command) -> object:  # noqa: ANN001

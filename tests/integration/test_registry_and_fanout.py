@@ -40,14 +40,6 @@ async def fleet(nats_server, prefix):
 
 
 @pytest.fixture
-async def raw(nats_server):
-    """A bare NATS connection, as `nats req` or a foreign client would use."""
-    nc = await nats.connect(nats_server.url)
-    yield nc
-    await nc.close()
-
-
-@pytest.fixture
 async def left_events(raw, prefix):
     """worker_left events of the module's fleet, in order."""
     events: list[FleetEvent] = []
