@@ -8,6 +8,7 @@ returns at once. The task replies when the work is done.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
@@ -138,6 +139,7 @@ class ReplyCache:
         self._running: dict[str, tuple[str, anyio.Event]] = {}
         self.size = size
         self.durable = durable
+        self._storing: set[asyncio.Future[None]] = set()
 
     def __contains__(self, command_id: str) -> bool:
         """A command with this id is running (a duplicate must wait for it)."""
@@ -172,7 +174,10 @@ class ReplyCache:
             else:
                 stored = StoredReply(print_, await work())
                 if durable and self.durable is not None:
-                    await self.durable.put(command_id, stored)
+                    # kept while the answer goes out: a retry reaches the next controller seconds later
+                    task = asyncio.ensure_future(self.durable.put(command_id, stored))
+                    self._storing.add(task)
+                    task.add_done_callback(self._storing.discard)
             self._done[command_id] = stored
             while len(self._done) > self.size:
                 self._done.popitem(last=False)
@@ -256,7 +261,9 @@ class Endpoints:
             budget = getattr(cmd, "timeout_s", None)
             try:
                 # answer before the sender stops waiting: a late answer only holds the lock
-                with anyio.fail_after(max(0.0, budget - REPLY_MARGIN_S) if budget is not None else None):
+                if budget is None:  # worker commands: bounded by the controller's fan-out
+                    return encode(await handler(cmd))
+                with anyio.fail_after(max(0.0, budget - REPLY_MARGIN_S)):
                     return encode(await handler(cmd))
             except TimeoutError:
                 return encode(DeadlineExceeded(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -65,6 +66,7 @@ from .store import ReplyStore, StateStore
 from .updates import Updates
 
 log = logging.getLogger("rlbus.controller")
+T = TypeVar("T")
 
 SERVICE_VERSION = "0.1.0"
 
@@ -334,18 +336,32 @@ class ControllerService:
         self.desired = msgspec.structs.replace(self.desired, **changes)
         await self.store.put_desired(self.desired)
 
+    async def _alongside(self, persist: Awaitable[None], work: Awaitable[T]) -> T:
+        """Run `work` (a fan-out) while the desired state is written to KV: the answer waits
+        for both, so it is durable when answered, at the cost of the slower of the two."""
+        result: list[T] = []
+
+        async def run() -> None:
+            result.append(await work)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await persist
+        return result[0]
+
     async def _pause(self, cmd: Pause) -> FleetAck:
         async with self.fleet.lock:
-            await self._desire(paused=True, pause_mode=cmd.mode, paused_since=self.desired.paused_since or time.time())
-            out = await self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})")
+            out = await self._alongside(
+                self._desire(paused=True, pause_mode=cmd.mode, paused_since=self.desired.paused_since or time.time()),
+                self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})"))
         await self.fleet.event("paused", sorted(out.acks), cmd.mode)
         return self.updates.ack(out)
 
     async def _resume(self, cmd: Resume) -> FleetAck:
         async with self.fleet.lock:
             self.updates.refuse_resume()
-            await self._desire(paused=False, pause_mode=None, paused_since=None)
-            out = await self.fleet.send_all(stamped(ResumeWorker), "resume")
+            out = await self._alongside(self._desire(paused=False, pause_mode=None, paused_since=None),
+                                        self.fleet.send_all(stamped(ResumeWorker), "resume"))
         await self.fleet.event("resumed", sorted(out.acks))
         return self.updates.ack(out)
 
