@@ -340,13 +340,22 @@ class ControllerService:
         """Run `work` (a fan-out) while the desired state is written to KV: the answer waits
         for both, so it is durable when answered, at the cost of the slower of the two."""
         result: list[T] = []
+        errors: list[Exception] = []
 
-        async def run() -> None:
-            result.append(await work)
+        async def save() -> None:
+            try:
+                await persist
+            except Exception as e:  # noqa: BLE001 - raised below, unwrapped
+                errors.append(e)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            await persist
+            tg.start_soon(save)
+            try:
+                result.append(await work)
+            except Exception as e:  # a refusal from the fan-out: raised as it is, not in a group
+                errors.insert(0, e)
+        if errors:
+            raise errors[0]
         return result[0]
 
     async def _pause(self, cmd: Pause) -> FleetAck:
