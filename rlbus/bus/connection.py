@@ -26,7 +26,8 @@ _DENIED = re.compile(r'permissions violation for (publish|subscription) to "?([^
 
 
 def resolve_url(url: str | None) -> str | None:
-    """The explicit URL, else $RLBUS_NATS_URL, else None (the caller decides: embedded server or error)."""
+    """The explicit URL, else $RLBUS_NATS_URL, else None (the caller decides: embedded server or
+    error). Several servers (a cluster) are comma-separated: `nats://a:4222,nats://b:4222`."""
     return url or os.environ.get(URL_ENV) or None
 
 
@@ -192,7 +193,7 @@ async def _connect(url, name, ping_interval, max_outstanding_pings, auth, on_err
     inbox_prefix = inbox_prefix or auth.inbox
     extra = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     return await nats.connect(
-        url,
+        [u.strip() for u in url.split(",") if u.strip()],  # a cluster: any node will do, reconnects to any
         name=name,
         ping_interval=ping_interval,
         max_outstanding_pings=max_outstanding_pings,

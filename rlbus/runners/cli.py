@@ -79,9 +79,11 @@ def main() -> None:
               help="Embedded NATS with a generated least-privilege config (a user per role); prints the trainer's env file.")
 @click.option("--config-dir", type=click.Path(file_okay=False), default=None,
               help="Where --secure writes nats.conf and <role>.env (default: a private temp dir).")
+@click.option("--nats-cluster", "nats_cluster", default=1, show_default=True,
+              help="Embedded NATS as a cluster of this many nodes on loopback (JetStream on each; state replicated on min(3, N)).")
 @click.option("-v", "--verbose", is_flag=True)
 def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_mode: str, secure: bool,
-       config_dir: str | None, verbose: bool) -> None:
+       config_dir: str | None, nats_cluster: int, verbose: bool) -> None:
     """Start NATS (embedded unless --nats-url), a controller and N workers; stay in the foreground.
 
     Prints NATS_URL=... once every worker is registered. Ctrl-C / SIGTERM stops everything.
@@ -103,7 +105,9 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         paths = write_config(folder, workers=ids)
         config = paths["config"]
         role_env = {r: read_env_file(paths[r]) for r in ("controller", "trainer", *(f"worker-{w}" for w in ids))}
-    url, server = embedded_or(nats_url, config)
+    if secure and nats_cluster > 1:
+        raise click.UsageError("--secure and --nats-cluster together are not supported yet")
+    url, server = embedded_or(nats_url, config, cluster=nats_cluster)
     fleet = Fleet(
         url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode],
         role_env=role_env,

@@ -14,7 +14,7 @@ from rlbus.runners.children import spawn
 from rlbus.sdk.client import RLClient
 from rlbus.bus.connection import NatsAuth
 from rlbus.schemas.errors import DeadlineExceeded
-from rlbus.runners.natsserver import NatsServer
+from rlbus.runners.natsserver import NatsCluster, NatsServer
 
 
 class Fleet:
@@ -99,9 +99,15 @@ class Fleet:
         self.procs.clear()
 
 
-def embedded_or(url: str | None, config_file: str | os.PathLike[str] | None = None) -> tuple[str, NatsServer | None]:
-    """The given URL, or a freshly started embedded server's."""
+def embedded_or(url: str | None, config_file: str | os.PathLike[str] | None = None,
+                cluster: int = 1) -> tuple[str, NatsServer | NatsCluster | None]:
+    """The given URL, or a freshly started embedded server's (or cluster's: every node's URL)."""
     if url:
         return url, None
+    if cluster > 1:
+        if config_file is not None:
+            raise ValueError("an embedded cluster runs without a config file (no --secure)")
+        nodes = NatsCluster(cluster).start()
+        return nodes.url, nodes
     server = NatsServer(config_file=config_file).start()
     return server.url, server

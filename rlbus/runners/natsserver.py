@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import json
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -16,6 +17,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import msgspec
 
 from rlbus.runners.children import spawn
 
@@ -48,6 +51,15 @@ blackholed connection (and so its subscriptions, e.g. a frozen controller's) is 
 instead of nats-server's default minutes. `rlbus nats-config` writes the same settings."""
 
 
+class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
+    """One node of a NATS cluster: its name, its route port, and every node's route URL."""
+
+    server_name: str
+    cluster_name: str
+    port: int
+    routes: list[str]
+
+
 class NatsServer:
     """A nats-server child process. Use as a (sync) context manager or start()/stop()."""
 
@@ -60,6 +72,7 @@ class NatsServer:
         store_dir: str | Path | None = None,
         config_file: str | Path | None = None,
         ready_timeout: float = 20.0,
+        cluster: "ClusterNode | None" = None,
     ) -> None:
         self.host = host
         self.requested_port = port
@@ -69,6 +82,8 @@ class NatsServer:
         self._conf_dir: tempfile.TemporaryDirectory[str] | None = None
         self.config_file = config_file
         self.ready_timeout = ready_timeout
+        self.cluster = cluster
+        """This server's place in a cluster (None: a single server)."""
         self.port: int | None = None
         self._proc: subprocess.Popen[str] | None = None
         self._log: list[str] = []
@@ -105,6 +120,10 @@ class NatsServer:
         args = [server_binary(), "-a", self.host, "-p", str(self.requested_port), "-c", str(self._liveness_config())]
         if self.jetstream:
             args += ["-js", "-sd", str(self.store_dir)]
+        if self.cluster is not None:
+            c = self.cluster
+            args += ["--name", c.server_name, "--cluster_name", c.cluster_name,
+                     "--cluster", f"nats://{self.host}:{c.port}", "--routes", ",".join(c.routes)]
         self._proc = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready = threading.Event()
         reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)
@@ -128,6 +147,12 @@ class NatsServer:
             if _READY in line:
                 ready.set()
         ready.set()  # process exited: wake the waiter, start() reports the log
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, as a lost host would (its store stays)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -175,3 +200,45 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsCluster:
+    """N nats-server processes forming one cluster on loopback, JetStream on every node: for
+    trying rlbus on a cluster and for tests. `url` lists every node (comma-separated), as every
+    rlbus command and RLClient.connect accept it."""
+
+    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", name: str = "rlbus") -> None:
+        if size < 1:
+            raise ValueError("a cluster has at least one node")
+        ports = [_free_port(host) for _ in range(size)]
+        routes = [f"nats://{host}:{p}" for p in ports]
+        self.nodes = [
+            NatsServer(host=host, cluster=ClusterNode(server_name=f"{name}-{i}", cluster_name=name, port=p, routes=routes))
+            for i, p in enumerate(ports)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(n.url for n in self.nodes if n.port is not None)
+
+    def start(self) -> "NatsCluster":
+        for node in self.nodes:
+            node.start()
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "NatsCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

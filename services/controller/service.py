@@ -82,6 +82,8 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Leadership lease: a standby controller takes over this long after the leader's last renewal."""
     unique_versions: bool = False
     """Refuse a version string that was committed before (versions stay free-form otherwise)."""
+    state_replicas: int | None = None
+    """Replicas of the state buckets on a NATS cluster; None = min(3, cluster size)."""
     reply_ttl_s: float = 600.0
     """How long answers of state-changing commands are kept by command id (in KV, across restarts)."""
 
@@ -127,7 +129,7 @@ class ControllerService:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
-        store = await StateStore.open(self.nc, self.subjects.kv_bucket)
+        store = await StateStore.open(self.nc, self.subjects.kv_bucket, self.opts.state_replicas)
         lease = Lease(store, self.id, self.opts.lease_s)
         async with anyio.create_task_group() as wait:  # standby until the lease is ours, or stop()
 
@@ -166,7 +168,7 @@ class ControllerService:
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
             await store.put_session(None)
-        replies = await ReplyStore.open(self.nc, self.subjects.replies_bucket, self.opts.reply_ttl_s)
+        replies = await ReplyStore.open(self.nc, self.subjects.replies_bucket, self.opts.reply_ttl_s, self.opts.state_replicas)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             eps = Endpoints(tg, "controller", durable=replies)

@@ -8,19 +8,34 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoStreamResponseError
+import anyio
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from rlbus.schemas import DEFAULT_VERSION, FleetState, KvKey, Unavailable, VersionInfo, encode, version_decoder
 from rlbus.services.endpoints import StoredReply
 
 log = logging.getLogger("rlbus.controller.store")
+
+OPEN_PATIENCE_S = 30.0
+"""How long opening a bucket waits for JetStream to be ready (a cluster's first seconds)."""
 T = TypeVar("T")
 
 
@@ -41,8 +56,10 @@ class StateStore:
         self._recovering = False
 
     @classmethod
-    async def open(cls, nc: Client, bucket: str) -> "StateStore":
-        config = KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE, description="rlbus controller state")
+    async def open(cls, nc: Client, bucket: str, replicas: int | None = None) -> "StateStore":
+        """Open (or create) the bucket; `replicas` defaults to min(3, the cluster's size)."""
+        config = KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE, description="rlbus controller state",
+                                replicas=replicas or default_replicas(nc))
         try:
             kv = await _open_bucket(nc, config)
         except Exception as e:  # noqa: BLE001
@@ -148,15 +165,31 @@ class StateStore:
         await self.put(KvKey.SESSION, (session_id or "").encode())
 
 
-async def _open_bucket(nc: Client, config: KeyValueConfig) -> KeyValue:
+def default_replicas(nc: Client) -> int:
+    """min(3, the number of servers in the cluster the connection is on): with 3 replicas the
+    state survives one node lost, with 1 it lives on one node only."""
+    return min(3, max(1, len(nc.servers)))
+
+
+async def _open_bucket(nc: Client, config: KeyValueConfig, patience_s: float = OPEN_PATIENCE_S) -> KeyValue:
+    """Open or create the bucket. While JetStream is still forming (a cluster electing its meta
+    leader, a few seconds after start) the calls fail; they are retried for `patience_s`."""
     js = nc.jetstream()
-    try:
-        return await js.key_value(config.bucket)
-    except BucketNotFoundError:
+    deadline = time.monotonic() + patience_s
+    while True:
         try:
-            return await js.create_key_value(config)
-        except Exception:  # noqa: BLE001 - created meanwhile by another controller
-            return await js.key_value(config.bucket)
+            try:
+                return await js.key_value(config.bucket)
+            except BucketNotFoundError:
+                try:
+                    return await js.create_key_value(config)
+                except BadRequestError:  # created meanwhile by another controller
+                    return await js.key_value(config.bucket)
+        except (ServiceUnavailableError, NatsTimeout, NoRespondersError, APIError) as e:
+            if time.monotonic() > deadline or isinstance(e, BadRequestError):
+                raise
+            log.info("JetStream is not ready (%s); retrying", e)
+            await anyio.sleep(0.25)  # back-off between retries, not a wait for a condition
 
 
 def _committed_key(version: str) -> str:
@@ -177,16 +210,10 @@ class ReplyStore:
         self.kv = kv
 
     @classmethod
-    async def open(cls, nc: Client, bucket: str, ttl_s: float) -> "ReplyStore":
-        js = nc.jetstream()
-        try:
-            kv = await js.key_value(bucket)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(
-                KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE,
-                               description="rlbus controller answers by command id")
-            )
-        return cls(kv)
+    async def open(cls, nc: Client, bucket: str, ttl_s: float, replicas: int | None = None) -> "ReplyStore":
+        config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE,
+                                description="rlbus controller answers by command id", replicas=replicas or default_replicas(nc))
+        return cls(await _open_bucket(nc, config))
 
     @staticmethod
     def _key(command_id: str) -> str:

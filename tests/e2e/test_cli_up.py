@@ -170,3 +170,12 @@ def test_sigterm_stops_up_and_every_child_and_exits_0(up):
     assert not left, f"children left running: {left}"
     assert "rlbus up: stopped" in up.log()
 
+
+
+def test_up_with_an_embedded_three_node_cluster_serves_on_every_node(tmp_path):
+    with running_up(["--nats-cluster", "3", "-n", "1"], _env(), tmp_path / "up.log", ("NATS_URL=",)) as (proc, found):
+        urls = found["NATS_URL="].split(",")
+        assert len(urls) == 3
+        for url in urls:  # any single node reaches the whole fleet
+            shown = _rlbus("status", "--nats-url", url)
+            assert shown.returncode == 0 and "worker-0" in shown.stdout, shown.stderr
