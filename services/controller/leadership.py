@@ -59,7 +59,7 @@ class Lease:
             if rev:
                 self._revision = await self.store.update(KEY, self._record(), rev)
             else:
-                self._revision = await self.store.create(KEY, self._record())
+                self._revision = await self.store.put(KEY, self._record())
         except Exception as e:  # lost a race for it
             log.debug("lease race lost: %s", e)
             return (await self._read())[0] or LeaseRecord("unknown", time.time())

@@ -25,6 +25,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoStreamResponseError,
+    NotFoundError,
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
@@ -67,19 +68,38 @@ class StateStore:
         return cls(nc, kv, config)
 
     async def _guard(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await call()
-        except NoStreamResponseError:
-            if self._recovering:
-                raise Unavailable(f"the state store (KV bucket {self.config.bucket}) vanished again while recovering") from None
-            await self._recover()
-            return await call()
-        except (KeyWrongLastSequenceError, KeyNotFoundError, Unavailable):
-            raise
-        except Exception as e:  # noqa: BLE001 - a NATS fault: typed, named
-            if _is_wrong_sequence(e):
+        deadline = time.monotonic() + OPEN_PATIENCE_S
+        while True:
+            try:
+                return await call()
+            except NoStreamResponseError:
+                if self._recovering:
+                    raise Unavailable(f"the state store (KV bucket {self.config.bucket}) vanished again while recovering") from None
+                if await self._bucket_exists():
+                    # no stream answered, yet the bucket is there: its leader is moving (a cluster
+                    # node was lost) or it has no quorum; retry within the patience, then say so
+                    if time.monotonic() > deadline:
+                        raise Unavailable(f"the state store (KV bucket {self.config.bucket}) does not answer: "
+                                          "no stream leader (a NATS node lost, or no quorum)") from None
+                    await anyio.sleep(0.25)  # back-off between retries, not a wait for a condition
+                    continue
+                await self._recover()
+                return await call()
+            except (KeyWrongLastSequenceError, KeyNotFoundError, Unavailable):
                 raise
-            raise Unavailable(f"the state store (KV bucket {self.config.bucket}) failed to {what}: {type(e).__name__}: {e}") from None
+            except Exception as e:  # noqa: BLE001 - a NATS fault: typed, named
+                if _is_wrong_sequence(e):
+                    raise
+                raise Unavailable(f"the state store (KV bucket {self.config.bucket}) failed to {what}: {type(e).__name__}: {e}") from None
+
+    async def _bucket_exists(self) -> bool:
+        try:
+            await self.nc.jetstream().stream_info(f"KV_{self.config.bucket}")
+        except NotFoundError:
+            return False
+        except Exception:  # noqa: BLE001 - JetStream itself unreachable: not proof of a loss
+            return True
+        return True
 
     async def _recover(self) -> None:
         log.error("the state store (KV bucket %s) is gone; recreating it and writing back the controller's state",

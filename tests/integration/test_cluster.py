@@ -47,6 +47,10 @@ async def test_killing_the_controllers_node_loses_nothing(fleet, cluster):
     node.kill()
     await eventually(lambda: f.controller.nc.is_connected and f.controller.nc.connected_url.port != port, timeout=15,
                      what="the controller reconnected to a surviving node")
+    # a worker that was on the lost node may have been dropped while it reconnected: it rejoins
+    await eventually(lambda: all(w.nc.is_connected for w in f.workers.values())
+                     and all(w in f.controller.registry for w in f.workers), timeout=20,
+                     what="every worker reconnected and registered")
     assert (await rl.get_weight_version_info()).version == before
     after = new_version("after-node-loss")
     async with VersionEvents(rl) as events:
