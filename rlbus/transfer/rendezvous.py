@@ -11,6 +11,10 @@ from rlbus.schemas import TransferInit
 from rlbus.transfer.base import TransferError, timeout_error
 
 
+HOST_ATTEMPTS = 3
+"""Tries at hosting the store when its own first connection times out (a loaded host)."""
+
+
 def host_store(init: TransferInit) -> tuple[dist.Store, dist.TCPStore, TransferInit]:
     """Listen on ``init.master_addr:init.master_port`` (0 = a free port) without waiting.
 
@@ -21,17 +25,23 @@ def host_store(init: TransferInit) -> tuple[dist.Store, dist.TCPStore, TransferI
         raise TransferError(f"world_size must count the trainer and at least one worker, got {init.world_size}")
     if not init.group_name:
         raise TransferError("group_name must be set: it keys the rendezvous store")
-    try:
-        raw = dist.TCPStore(
-            init.master_addr,
-            init.master_port,
-            init.world_size,
-            is_master=True,
-            timeout=timedelta(seconds=init.timeout_s),
-            wait_for_workers=False,
-        )
-    except Exception as e:  # noqa: BLE001 - torch raises bare RuntimeError/DistNetworkError
-        raise TransferError(f"cannot host rendezvous on {init.master_addr}:{init.master_port}: {e}") from e
+    for attempt in range(HOST_ATTEMPTS):
+        try:
+            raw = dist.TCPStore(
+                init.master_addr,
+                init.master_port,
+                init.world_size,
+                is_master=True,
+                timeout=timedelta(seconds=init.timeout_s),
+                wait_for_workers=False,
+            )
+            break
+        except Exception as e:  # noqa: BLE001 - torch raises bare RuntimeError/DistNetworkError
+            # the server connects to itself first; on a loaded host that can miss a short timeout
+            if "timed out" in str(e) and attempt + 1 < HOST_ATTEMPTS:
+                continue
+            err = timeout_error(init, f"hosting the rendezvous on {init.master_addr}:{init.master_port}", e)
+            raise err from e
     bound = msgspec.structs.replace(init, master_port=raw.port)
     return dist.PrefixStore(init.group_name + "/", raw), raw, bound
 
