@@ -28,7 +28,11 @@ class Blackhole:
             w.close()
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        except OSError:  # nothing listens there (yet): the client sees the link close
+            writer.close()
+            return
         self._writers += [writer, up_writer]
 
         async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

@@ -16,6 +16,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -58,6 +59,10 @@ class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
     cluster_name: str
     port: int
     routes: list[str]
+    no_advertise: bool = False
+    """Tell clients nothing of the other nodes: a client reconnects only to the URLs it was given."""
+    cluster_advertise: str | None = None
+    """The route address this node tells the other nodes (None: its own)."""
 
 
 class NatsServer:
@@ -124,6 +129,10 @@ class NatsServer:
             c = self.cluster
             args += ["--name", c.server_name, "--cluster_name", c.cluster_name,
                      "--cluster", f"nats://{self.host}:{c.port}", "--routes", ",".join(c.routes)]
+            if c.no_advertise:
+                args += ["--no_advertise=true"]
+            if c.cluster_advertise:
+                args += ["--cluster_advertise", c.cluster_advertise]
         self._proc = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready = threading.Event()
         reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)
@@ -202,7 +211,7 @@ class NatsServer:
         self.stop()
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
@@ -213,19 +222,35 @@ class NatsCluster:
     trying rlbus on a cluster and for tests. `url` lists every node (comma-separated), as every
     rlbus command and RLClient.connect accept it."""
 
-    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", name: str = "rlbus") -> None:
+    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", name: str = "rlbus", no_advertise: bool = False) -> None:
         if size < 1:
             raise ValueError("a cluster has at least one node")
-        ports = [_free_port(host) for _ in range(size)]
+        ports = [free_port(host) for _ in range(size)]
         routes = [f"nats://{host}:{p}" for p in ports]
         self.nodes = [
-            NatsServer(host=host, cluster=ClusterNode(server_name=f"{name}-{i}", cluster_name=name, port=p, routes=routes))
+            NatsServer(host=host, cluster=ClusterNode(server_name=f"{name}-{i}", cluster_name=name, port=p, routes=routes,
+                                                      no_advertise=no_advertise))
             for i, p in enumerate(ports)
         ]
 
     @property
     def url(self) -> str:
         return ",".join(n.url for n in self.nodes if n.port is not None)
+
+    def route_through(self, via: Callable[[int, int], str]) -> None:
+        """Before start(): node i reaches node j at `via(i, j)` (a proxy that can cut the link,
+        in tests) instead of directly. Each node advertises a route address nothing listens on
+        (port 1), so none connects around the proxies when the others gossip about it."""
+        for i, node in enumerate(self.nodes):
+            assert node.cluster is not None
+            routes = [via(i, j) for j in range(len(self.nodes)) if j != i]
+            node.cluster = msgspec.structs.replace(node.cluster, routes=routes, cluster_advertise=f"{node.host}:1")
+
+    def route_port(self, i: int) -> int:
+        """The port node i takes routes on."""
+        c = self.nodes[i].cluster
+        assert c is not None
+        return c.port
 
     def start(self) -> "NatsCluster":
         for node in self.nodes:

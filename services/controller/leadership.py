@@ -3,6 +3,9 @@
 A second controller waits in standby until the lease lapses (the leader died or stopped),
 then takes it with a compare-and-set and a new, higher epoch. A leader that finds its lease
 taken (it was paused past the lease, say) steps down: workers would refuse its old epoch anyway.
+Every state-changing command renews the lease first (`confirm`): a leader cut off from the state
+store's quorum (a partition, nodes down) can renew nothing, so it acts on nothing, while a standby
+on the majority side takes the lapsed lease.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import time
 
 import anyio
 import msgspec
-from rlbus.schemas import KvKey
+from rlbus.schemas import KvKey, Unavailable
 
-from .store import StateStore
+from .store import StateStore, is_wrong_sequence
 
 log = logging.getLogger("rlbus.controller.lease")
 
@@ -40,6 +43,9 @@ class Lease:
         self.controller_id = controller_id
         self.lease_s = lease_s
         self._revision = 0
+        self._renewing = anyio.Lock()
+        self._settled: tuple[float, Exception | None] = (float("-inf"), None)
+        """The last renewal: when it was sent (monotonic) and how it ended."""
 
     async def _read(self) -> tuple[LeaseRecord | None, int]:
         value, rev = await self.store.get(KEY)
@@ -68,7 +74,15 @@ class Lease:
     async def acquire(self, on_standby=None) -> None:  # noqa: ANN001
         """Wait until this controller holds the lease."""
         announced = False
-        while (holder := await self.try_acquire()) is not None:
+        while True:
+            try:
+                holder = await self.try_acquire()
+            except Unavailable as e:  # the store has no quorum here (a partition): nobody can take it now
+                log.warning("standby: the lease cannot be read: %s", e)
+                await anyio.sleep(self.lease_s / 4)
+                continue
+            if holder is None:
+                return
             if not announced:
                 log.warning(
                     "standby: controller %s leads; waiting for its lease (%.0fs) to lapse",
@@ -80,14 +94,53 @@ class Lease:
             await anyio.sleep(self.lease_s / 4)
 
     async def renew(self) -> None:
-        """Renew the lease; raise LeaseLost if another controller took it."""
+        """Renew the lease (a compare-and-set in the state store); raise LeaseLost if another
+        controller took it, Unavailable if the store cannot take a write (no quorum)."""
+        async with self._renewing:  # the keeper and confirm() share one revision
+            await self._renew()
+
+    async def _renew(self) -> None:
+        sent = time.monotonic()
         try:
-            self._revision = await self.store.update(KEY, self._record(), self._revision)
+            await self._update_own()
         except Exception as e:
-            held, _ = await self._read()
-            if held is None or held.controller_id != self.controller_id:
-                raise LeaseLost(f"lease taken by {held.controller_id if held else 'nobody'}") from e
+            self._settled = (sent, e)
             raise
+        self._settled = (sent, None)
+
+    async def _update_own(self) -> None:
+        revision = self._revision
+        deadline = time.monotonic() + self.store.patience_s
+        while True:
+            try:
+                self._revision = await self.store.update(KEY, self._record(), revision)
+                return
+            except Exception as e:
+                if not is_wrong_sequence(e):
+                    raise  # no quorum, NATS away: nothing says another controller holds it
+                held, revision = await self._read()
+                if held is None or held.controller_id != self.controller_id:
+                    raise LeaseLost(f"lease taken by {held.controller_id if held else 'nobody'}") from e
+            # still ours under another revision: a write retried after a timeout had landed, a
+            # replica behind answered the read, the bucket was recreated with our record, or a
+            # leader without quorum counts writes it cannot commit. Nobody else holds it: renew
+            # from what the store says, within the store's patience
+            if time.monotonic() > deadline:
+                raise Unavailable(self.store.no_quorum("renew the lease", "the lease record's revision keeps moving"))
+            await anyio.sleep(0.1)  # back-off between retries, not a wait for a condition
+
+    async def confirm(self) -> None:
+        """Before a state-changing command: renew now. A controller whose state store has no
+        quorum (a partition, nodes down) or whose lease another took acts on nothing. Commands
+        that arrive together share one renewal (one sent after they all asked)."""
+        asked = time.monotonic()
+        async with self._renewing:
+            sent, error = self._settled
+            if sent >= asked:
+                if error is not None:
+                    raise error
+                return
+            await self._renew()
 
     async def keep(self) -> None:
         """Renew every lease/4 until cancelled; raises LeaseLost."""

@@ -46,6 +46,7 @@ from rlbus.schemas import (
     SleepWorker,
     Subjects,
     Sync,
+    Unavailable,
     VersionInfo,
     WakeUp,
     WakeWorker,
@@ -84,6 +85,9 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Refuse a version string that was committed before (versions stay free-form otherwise)."""
     state_replicas: int | None = None
     """Replicas of the state buckets on a NATS cluster; None = min(3, cluster size)."""
+    state_patience_s: float = 15.0
+    """How long a state store call rides out a stream without a leader (a NATS node lost: a new
+    one is elected in seconds) before it is UNAVAILABLE: the store has no quorum."""
     reply_ttl_s: float = 600.0
     """How long answers of state-changing commands are kept by command id (in KV, across restarts)."""
 
@@ -129,8 +133,8 @@ class ControllerService:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
-        store = await StateStore.open(self.nc, self.subjects.kv_bucket, self.opts.state_replicas)
-        lease = Lease(store, self.id, self.opts.lease_s)
+        store = await StateStore.open(self.nc, self.subjects.kv_bucket, self.opts.state_replicas, self.opts.state_patience_s)
+        lease = self._lease = Lease(store, self.id, self.opts.lease_s)
         async with anyio.create_task_group() as wait:  # standby until the lease is ours, or stop()
 
             async def stop_waiting() -> None:
@@ -181,7 +185,7 @@ class ControllerService:
             )
             group = self._micro.add_group(name=self.subjects.control_group)
             routes = self._routes()
-            await eps.serve(group, routes)
+            await eps.serve(group, routes, wrap=self._leading(lease, {r.handler for r in routes if not r.read}))
             subs = [
                 await self.nc.subscribe(f"{self.subjects.control_group}.*", queue=UNKNOWN_OP_QUEUE,
                                         cb=Endpoints.unknown(self.nc, routes.ops())),
@@ -207,13 +211,38 @@ class ControllerService:
                         await lease.release()  # a standby takes over at once
             tg.cancel_scope.cancel()
 
+    def _leading(self, lease: Lease, writes: set[Callable[..., Awaitable[object]]]):  # noqa: ANN202
+        """Around every state-changing handler: renew the lease first (a compare-and-set in the
+        state store). Without quorum (nodes down, a partition) the command is UNAVAILABLE before
+        anything is dispatched; with the lease taken, this controller steps down."""
+
+        def wrap(handler):  # noqa: ANN001, ANN202
+            if handler not in writes:
+                return handler
+
+            async def leading(cmd):  # noqa: ANN001, ANN202
+                try:
+                    await lease.confirm()
+                except LeaseLost as e:
+                    self._step_down(e)
+                    raise Unavailable(f"controller {self.id} no longer leads ({e}); the leader answers a retry") from None
+                return await handler(cmd)
+
+            return leading
+
+        return wrap
+
+    def _step_down(self, why: Exception) -> None:
+        if not self.lease_lost:
+            log.error("controller %s lost leadership (%s); stepping down", self.id, why)
+        self.lease_lost = True
+        self.stop()
+
     async def _keep_lease(self, lease: Lease) -> None:
         try:
             await lease.keep()
         except LeaseLost as e:
-            log.error("controller %s lost leadership (%s); stepping down", self.id, e)
-            self.lease_lost = True
-            self.stop()
+            self._step_down(e)
 
     def stop(self) -> None:
         self._stop.set()
@@ -275,6 +304,8 @@ class ControllerService:
         w = state.worker_id
         async with self.fleet.lock:
             if state.epoch > self.fleet.epoch or (state.epoch == self.fleet.epoch and state.controller_id not in ("", self.id)):
+                if not await self._still_leading(state):
+                    return
                 await self._recover_lost_state(state)
             out = await self.fleet.send(
                 stamped(Sync, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
@@ -301,6 +332,21 @@ class ControllerService:
             )
         if synced.session_id and synced.session_id != self.updates.session_id:
             await self.updates.abort_orphan(w, synced.session_id)
+
+    async def _still_leading(self, state: WorkerState) -> bool:
+        """A worker obeys a newer epoch: the state was lost (recover it), or another controller
+        took the lease while this one was cut off (a partition): then step down, never take an
+        epoch above the new leader's."""
+        try:
+            await self._lease.confirm()
+        except LeaseLost as e:
+            self._step_down(e)
+            return False
+        except Unavailable as e:  # no quorum here: admit nobody now; the worker announces itself again
+            log.warning("worker %s obeys epoch %d, and this controller cannot confirm its lease: %s",
+                        state.worker_id, state.epoch, e)
+            return False
+        return True
 
     async def _recover_lost_state(self, state: WorkerState) -> None:
         """A worker obeyed an epoch this controller's store does not know: the state bucket was

@@ -16,7 +16,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 import anyio
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionReconnectingError, NoRespondersError, StaleConnectionError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import (
     APIError,
@@ -37,6 +37,10 @@ log = logging.getLogger("rlbus.controller.store")
 
 OPEN_PATIENCE_S = 30.0
 """How long opening a bucket waits for JetStream to be ready (a cluster's first seconds)."""
+PATIENCE_S = 15.0
+"""How long a state store call rides out a stream without a leader: after a NATS node is lost
+the survivors elect one within seconds (about 5 s measured; an election timeout is 4-9 s), and
+the connection moves to a survivor. Longer than that, the stream has no quorum."""
 T = TypeVar("T")
 
 
@@ -45,19 +49,22 @@ class StateStore:
 
     Every call is guarded: a write that finds the bucket gone (deleted, or the server lost its
     storage) recreates it, lets the controller write back what it holds in memory
-    (`on_lost`), and retries once; any other NATS failure is UNAVAILABLE naming the store,
-    never an untyped NATS exception."""
+    (`on_lost`), and retries once; a stream without a leader (a NATS node lost, its connection
+    moving to a survivor) is retried for `patience_s`, then UNAVAILABLE saying the store has no
+    quorum; any other NATS failure is UNAVAILABLE naming the store, never an untyped NATS exception."""
 
-    def __init__(self, nc: Client, kv: KeyValue, config: KeyValueConfig) -> None:
+    def __init__(self, nc: Client, kv: KeyValue, config: KeyValueConfig, patience_s: float = PATIENCE_S) -> None:
         self.nc = nc
         self.kv = kv
         self.config = config
+        self.patience_s = patience_s
+        """How long a call retries while the bucket's stream has no leader, then UNAVAILABLE: no quorum."""
         self.on_lost: Callable[[], Awaitable[None]] | None = None
         """Called once the bucket was recreated after a loss: write back the state."""
         self._recovering = False
 
     @classmethod
-    async def open(cls, nc: Client, bucket: str, replicas: int | None = None) -> "StateStore":
+    async def open(cls, nc: Client, bucket: str, replicas: int | None = None, patience_s: float = PATIENCE_S) -> "StateStore":
         """Open (or create) the bucket; `replicas` defaults to min(3, the cluster's size)."""
         config = KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE, description="rlbus controller state",
                                 replicas=replicas or default_replicas(nc))
@@ -65,36 +72,53 @@ class StateStore:
             kv = await _open_bucket(nc, config)
         except Exception as e:  # noqa: BLE001
             raise Unavailable(f"the state store (KV bucket {bucket}) cannot be opened: {type(e).__name__}: {e}") from None
-        return cls(nc, kv, config)
+        return cls(nc, kv, config, patience_s)
 
     async def _guard(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        deadline = time.monotonic() + OPEN_PATIENCE_S
+        deadline = time.monotonic() + self.patience_s
         while True:
             try:
-                return await call()
+                # one attempt never outlasts the patience (a JetStream request waits 5 s by itself)
+                with anyio.fail_after(max(deadline - time.monotonic(), 0.5)):
+                    return await call()
             except NoStreamResponseError:
                 if self._recovering:
                     raise Unavailable(f"the state store (KV bucket {self.config.bucket}) vanished again while recovering") from None
-                if await self._bucket_exists():
-                    # no stream answered, yet the bucket is there: its leader is moving (a cluster
-                    # node was lost) or it has no quorum; retry within the patience, then say so
-                    if time.monotonic() > deadline:
-                        raise Unavailable(f"the state store (KV bucket {self.config.bucket}) does not answer: "
-                                          "no stream leader (a NATS node lost, or no quorum)") from None
-                    await anyio.sleep(0.25)  # back-off between retries, not a wait for a condition
-                    continue
-                await self._recover()
-                return await call()
+                if not await self._bucket_exists():
+                    await self._recover()
+                    return await call()
+                fault = "no stream leader answered"  # the bucket is there: its leader moves, or it has no quorum
             except (KeyWrongLastSequenceError, KeyNotFoundError, Unavailable):
                 raise
             except Exception as e:  # noqa: BLE001 - a NATS fault: typed, named
-                if _is_wrong_sequence(e):
+                if is_wrong_sequence(e):
                     raise
-                raise Unavailable(f"the state store (KV bucket {self.config.bucket}) failed to {what}: {type(e).__name__}: {e}") from None
+                if not _leaderless(e):
+                    raise Unavailable(f"the state store (KV bucket {self.config.bucket}) failed to {what}: "
+                                      f"{type(e).__name__}: {e}") from None
+                fault = f"{type(e).__name__}: {e}"
+            # a node lost: the stream elects a new leader (seconds) while the connection moves to a
+            # survivor; retried within the patience. Past it, the stream has no quorum.
+            if time.monotonic() > deadline:
+                raise Unavailable(self.no_quorum(what, fault)) from None
+            await anyio.sleep(0.25)  # back-off between retries, not a wait for a condition
+
+    def no_quorum(self, what: str, fault: str) -> str:
+        """Why a call could not `what` within the patience: the connection is down, the server
+        does not answer (one replica), or the stream has no quorum."""
+        if not self.nc.is_connected:
+            return (f"the state store (KV bucket {self.config.bucket}) is unreachable: this controller's NATS connection "
+                    f"is down (reconnecting); could not {what} within {self.patience_s:g}s")
+        if self.config.replicas <= 1:
+            return (f"the state store (KV bucket {self.config.bucket}) does not answer: could not {what} within "
+                    f"{self.patience_s:g}s ({fault}); its NATS server is down or overloaded")
+        return (f"the state store (KV bucket {self.config.bucket}, {self.config.replicas} replicas) has no quorum: "
+                f"could not {what} within {self.patience_s:g}s ({fault}); a majority of its NATS nodes is down or "
+                "cut off from this one. Nothing is committed until they return")
 
     async def _bucket_exists(self) -> bool:
         try:
-            await self.nc.jetstream().stream_info(f"KV_{self.config.bucket}")
+            await self.nc.jetstream(timeout=1.0).stream_info(f"KV_{self.config.bucket}")
         except NotFoundError:
             return False
         except Exception:  # noqa: BLE001 - JetStream itself unreachable: not proof of a loss
@@ -149,7 +173,7 @@ class StateStore:
                     await self.create(KvKey.EPOCH, str(new).encode())
                 return new
             except Exception as e:  # lost the race: read again
-                if not _is_wrong_sequence(e):
+                if not is_wrong_sequence(e):
                     raise
 
     async def put_epoch(self, epoch: int) -> None:
@@ -212,11 +236,19 @@ async def _open_bucket(nc: Client, config: KeyValueConfig, patience_s: float = O
             await anyio.sleep(0.25)  # back-off between retries, not a wait for a condition
 
 
+def _leaderless(e: Exception) -> bool:
+    """A fault of a stream without a leader (or of a connection moving to another node): no
+    answer in time, JetStream 503 (no meta leader), the connection reconnecting."""
+    if isinstance(e, (NatsTimeout, TimeoutError, ServiceUnavailableError, ConnectionReconnectingError, StaleConnectionError)):
+        return True
+    return isinstance(e, APIError) and e.code == 503
+
+
 def _committed_key(version: str) -> str:
     return f"{KvKey.COMMITTED}.{hashlib.blake2b(version.encode(), digest_size=16).hexdigest()}"
 
 
-def _is_wrong_sequence(e: Exception) -> bool:
+def is_wrong_sequence(e: Exception) -> bool:
     return isinstance(e, KeyWrongLastSequenceError) or "wrong last sequence" in str(e).lower()
 
 

@@ -1,4 +1,6 @@
-"""compose.yaml parses and runs only commands and options the CLI has."""
+"""compose.yaml parses, describes a 3-node NATS cluster with JetStream, a leading and a standby
+controller, workers and the trainer, and runs only commands and options the CLI has. (That the
+nats-server options are real, and form a cluster, is tests/integration/test_cluster_compose.py.)"""
 
 from __future__ import annotations
 
@@ -10,25 +12,54 @@ import yaml
 from rlbus.runners.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
+NODES = ("nats-0", "nats-1", "nats-2")
 
 
 def _compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
-def test_compose_has_nats_with_jetstream_controller_workers_and_trainer():
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _rlbus_services(services: dict) -> dict:
+    return {name: s for name, s in services.items() if "build" in s}
+
+
+def test_compose_has_a_three_node_jetstream_cluster():
     services = _compose()["services"]
-    assert {"nats", "controller", "worker", "trainer"} <= set(services)
-    assert "-js" in services["nats"]["command"]
-    assert services["worker"]["deploy"]["replicas"] == 2
-    for name in ("controller", "worker", "trainer"):
-        assert services[name]["environment"]["RLBUS_NATS_URL"] == "nats://nats:4222"
+    assert set(NODES) <= set(services)
+    names = set()
+    for node in NODES:
+        argv = services[node]["command"]
+        assert "-js" in argv and _flag(argv, "-sd") == "/data", node
+        assert any(v.endswith(":/data") for v in services[node]["volumes"]), f"{node}: its store is a volume of its own"
+        assert _flag(argv, "--cluster_name") == "rlbus"
+        assert _flag(argv, "--cluster").endswith(":6222")
+        assert sorted(_flag(argv, "--routes").split(",")) == [f"nats://{n}:6222" for n in NODES], f"{node}: routes to every node"
+        names.add(_flag(argv, "--name"))
+    assert names == set(NODES), "every node has a name of its own"
+
+
+def test_compose_has_a_leader_and_a_standby_controller_workers_and_a_trainer():
+    services = _compose()["services"]
+    controllers = [n for n, s in _rlbus_services(services).items() if s["command"][0] == "controller"]
+    assert len(controllers) == 2, "a leader and a standby"
+    assert services["worker"]["command"][0] == "worker" and services["worker"]["deploy"]["replicas"] == 2
+    assert services["trainer"]["command"][0] == "demo"
+    assert services["trainer"]["environment"]["RLBUS_MASTER_ADDR"] == services["trainer"]["hostname"]
+
+
+def test_every_rlbus_service_reaches_every_nats_node():
+    every = sorted(f"nats://{n}:4222" for n in NODES)
+    for name, s in _rlbus_services(_compose()["services"]).items():
+        assert sorted(s["environment"]["RLBUS_NATS_URL"].split(",")) == every, name
 
 
 def test_every_service_command_exists_in_the_cli_with_its_options():
-    services = _compose()["services"]
-    for name in ("controller", "worker", "trainer"):
-        argv = services[name]["command"]
+    for name, s in _rlbus_services(_compose()["services"]).items():
+        argv = s["command"]
         cmd = main.commands.get(argv[0])
         assert isinstance(cmd, click.Command), f"{name}: no `rlbus {argv[0]}`"
         known = {opt for p in cmd.params for opt in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])}

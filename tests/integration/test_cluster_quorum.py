@@ -1,0 +1,126 @@
+"""Quorum loss on a real 3-node NATS cluster (loopback): with 2 of the 3 nodes killed (SIGKILL),
+every state-changing call is UNAVAILABLE naming the state store's lost quorum, nothing is
+dispatched, committed or published; once the two nodes return (same ports, same stores), the
+fleet recovers with its version intact, and the session left open finishes and commits once."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import rlbus
+from rlbus.runners.local import LocalFleet
+from rlbus.runners.natsserver import NatsCluster
+from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate, Subjects
+from rlbus.sdk.client import RLClient
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
+from tests.waiting import eventually
+from tests.weights_helpers import MODEL, VersionEvents, assert_holds, new_version, trained
+
+WORKERS = ("w0", "w1")
+PATIENCE_S = 3.0
+"""The controller's state store patience: a call without quorum is UNAVAILABLE after this."""
+
+
+@pytest.fixture(scope="module")
+def cluster():  # noqa: ANN201
+    with NatsCluster(3) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+async def fleet(cluster, prefix):
+    subjects = Subjects(prefix=prefix)
+    f = LocalFleet(cluster.url)
+    await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10, liveness_timeout_s=3.0,
+                                               state_patience_s=PATIENCE_S))
+    for wid in WORKERS:
+        await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
+                                                                   weight_transfer_backend="gloo"))
+    await f.wait_for_workers(WORKERS)
+    assert f.controller is not None
+    # the trainer sits on the controller's node: it survives the two kills with it
+    rl = await RLClient.connect(f"nats://127.0.0.1:{f.controller.nc.connected_url.port}", prefix=prefix, timeout=30.0)
+    try:
+        yield f, rl
+    finally:
+        await rl.close()
+        await f.close()
+
+
+async def _has_leader(nc, stream: str) -> bool:  # noqa: ANN001
+    try:
+        info = await nc.jetstream(timeout=1.0).stream_info(stream)
+    except Exception:  # noqa: BLE001 - no leader to answer yet
+        return False
+    return info.cluster is not None and info.cluster.leader is not None
+
+
+def _no_quorum(e: rlbus.RLBusError) -> bool:
+    return e.code == "UNAVAILABLE" and "no quorum" in e.message and "state store" in e.message
+
+
+async def test_without_quorum_nothing_changes_and_the_fleet_recovers_with_its_version(fleet, cluster):
+    f, rl = fleet
+    assert f.controller is not None
+    v1 = new_version("before-quorum-loss")
+    await rl.push_weights(trained(91), v1)
+    seq = (await rl.get_weight_version_info()).seq
+    named = trained(92)
+    await rl.start_weight_update()
+    await rl.update_weights(named)  # every byte sent: only finish is left
+
+    kept = f.controller.nc.connected_url.port
+    lost = [n for n in cluster.nodes if n.port != kept]
+    async with VersionEvents(rl) as events:
+        for node in lost:
+            node.kill()
+        # every state-changing call at once: each is refused before anything is dispatched
+        calls = {
+            "pause": lambda: rl.pause("abort"),
+            "start_weight_update": lambda: rl.call(StartWeightUpdate(), FleetAck),
+            "update_weight_version": lambda: rl.update_weight_version(new_version("never")),
+            "finish_weight_update": lambda: rl.call(FinishWeightUpdate(weight_version=new_version("never"),
+                                                                       checksums=list(rl.push.checksums)), FleetAck),
+        }
+        refused: dict[str, rlbus.RLBusError] = {}
+
+        async def call(op: str) -> None:
+            with pytest.raises(rlbus.RLBusError) as err:
+                await calls[op]()
+            refused[op] = err.value
+
+        with anyio.fail_after(45):
+            async with anyio.create_task_group() as tg:
+                for op in calls:
+                    tg.start_soon(call, op)
+        assert all(_no_quorum(e) for e in refused.values()), {op: (e.code, e.message) for op, e in refused.items()}
+
+        # nothing was dispatched: no worker paused or renamed or committed, the session is still open
+        for wid, w in f.workers.items():
+            state = w.state()
+            assert state.weight_version == v1 and not state.paused and state.session_id is not None, wid
+        assert f.controller.version.version == v1 and f.controller.updates.session_id is not None
+
+        for node in lost:  # back on their ports, with their stores: the stream regains its quorum
+            node.start_again()
+        await eventually(lambda: all(wid in f.controller.registry for wid in WORKERS) and not f.controller.lease_lost,
+                         timeout=30, what="every worker registered with the same controller")
+        await eventually(lambda: _has_leader(f.controller.nc, rl.subjects.kv_stream), timeout=30, interval=0.1,
+                         what="the state stream elected a leader again")
+        info = await rl.get_weight_version_info()
+        assert (info.version, info.seq) == (v1, seq), "the version survived the quorum loss"
+        assert events.seen == [], "nothing was published without quorum"
+
+        v2 = new_version("after-quorum-loss")
+        with anyio.fail_after(60):
+            done = await rl.finish_weight_update(v2)
+        assert done.weight_version == v2
+        assert await events.wait_for(1) == [v2]
+    info = await rl.get_weight_version_info()
+    assert (info.version, info.seq) == (v2, seq + 1)
+    for wid in WORKERS:
+        assert_holds(f, wid, named)
+    assert [e.version for e in events.seen] == [v2]
