@@ -203,9 +203,13 @@ def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None
               help="Leadership lease, seconds: a standby takes over this long after the leader stops renewing.")
 @click.option("--unique-versions/--reusable-versions", default=False, show_default=True,
               help="Refuse a version string that was committed before.")
+@click.option("--state-replicas", type=click.IntRange(1, 5), default=None,
+              help="Replicas of the state buckets (default: min(3, NATS nodes known at connect)).")
+@click.option("--state-patience", default=15.0, show_default=True,
+              help="How long a state-store call rides out a NATS node loss before it is UNAVAILABLE (no quorum), seconds.")
 @click.option("-v", "--verbose", is_flag=True)
 def controller(nats_url: str | None, prefix: str, command_timeout: float, liveness_timeout: float, lease: float,
-               unique_versions: bool, verbose: bool) -> None:
+               unique_versions: bool, verbose: bool, state_replicas: int | None = None, state_patience: float = 15.0) -> None:
     """Run the controller service."""
     from rlbus.schemas import Subjects
     from rlbus.runners.serve import serve
@@ -213,7 +217,8 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
 
     _logging(verbose)
     opts = ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=command_timeout, liveness_timeout_s=liveness_timeout,
-                             lease_s=lease, unique_versions=unique_versions)
+                             lease_s=lease, unique_versions=unique_versions, state_replicas=state_replicas,
+                             state_patience_s=state_patience)
     anyio.run(lambda: serve(_url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts), auth=_auth(),
                             inbox_prefix=_auth().inbox or opts.subjects.inbox("controller")))
 
