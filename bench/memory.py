@@ -18,6 +18,14 @@ mark since process start) is read at the end as a cross-check.
 
 The trainer (this process) is sampled the same way: its extra is the two scratch buffers
 update_weights packs the shared buckets into (a bucket that is one tensor is sent from it).
+
+--delta-changed F (default 0.01; 0 skips it): then the same worker takes --pushes delta pushes
+(push_weights(delta=True)) of the model with a fraction F of its elements changed each time,
+after one tracked dense push that gives the trainer its snapshot. Reported: the worker's extra
+during the delta pushes (staged: a copy of every touched tensor, the delta's base; in_place:
+the received delta buckets and their decoded positions), and the trainer's: the snapshot (the
+committed bits of every tensor sent, one model in its transfer dtype) plus what a push holds
+until its commit (the encoded deltas), measured from the process's RSS.
 """
 
 from __future__ import annotations
@@ -102,7 +110,8 @@ def _stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
-async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int) -> dict:
+async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int,
+                  changed: float = 0.0) -> dict:
     with NatsServer() as server, open(os.devnull, "w") as log:
         ctrl = _spawn(["controller", "--nats-url", server.url], log)
         worker = _spawn([
@@ -138,13 +147,42 @@ async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor
                 after = proc_status(worker.pid)
                 version = await rl.get_weight_version()
                 assert version == f"v{pushes}", version
+                delta = await _delta_pushes(rl, worker.pid, new, bucket, pushes, changed) if changed else None
             finally:
                 await rl.close()
         finally:
             _stop(worker)
             _stop(ctrl)
     return {"baseline": baseline, "peaks": peaks, "hwm": after["VmHWM"], "rss_after": after["VmRSS"], "secs": secs,
-            "samples": s.samples, "trainer_extra": trainer_peak - trainer_baseline}
+            "samples": s.samples, "trainer_extra": trainer_peak - trainer_baseline, "delta": delta}
+
+
+async def _delta_pushes(rl: RLClient, pid: int, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int,
+                        changed: float) -> dict:
+    """One tracked dense push (the trainer's snapshot), then `pushes` deltas with a fraction
+    `changed` of the elements different each time; peaks of the worker and the trainer."""
+    current = [(n, t.clone()) for n, t in new]
+    trainer_before = proc_status(os.getpid())["VmRSS"]
+    await rl.push_weights(current, "d0", bucket_bytes=bucket, delta=True)
+    await anyio.sleep(0.5)
+    baseline = proc_status(pid)["VmRSS"]
+    trainer_baseline = proc_status(os.getpid())["VmRSS"]
+    g = torch.Generator().manual_seed(0)
+    peaks, trainer_peak, sent = [], 0, []
+    for k in range(pushes):
+        for _, t in current:
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * changed)),), generator=g)
+            flat[idx] += 1.0
+        with Sampler(pid) as s, Sampler(os.getpid()) as me:
+            await rl.push_weights(current, f"d{k + 1}", bucket_bytes=bucket, delta=True)
+        st = rl.last_push
+        assert st is not None and st.delta, st
+        sent.append(st.bytes_sent)
+        peaks.append(s.peak)
+        trainer_peak = max(trainer_peak, me.peak)
+    return {"baseline": baseline, "peak": max(peaks), "sent": max(sent), "snapshot": rl.push.snapshot_bytes,
+            "trainer_held": trainer_baseline - trainer_before, "trainer_extra": trainer_peak - trainer_before}
 
 
 async def amain(a: argparse.Namespace) -> None:
@@ -161,7 +199,7 @@ async def amain(a: argparse.Namespace) -> None:
     rows = []
     for mode in a.modes.split(","):
         t0 = time.monotonic()
-        r = await measure(mode, cfg, new, bucket, a.pushes)
+        r = await measure(mode, cfg, new, bucket, a.pushes, a.delta_changed)
         rows.append((mode, r))
         pushes = ", ".join(f"{p / MiB:.0f} MiB in {s:.1f}s" for p, s in zip(r["peaks"], r["secs"]))
         print(f"  {mode:8s} done in {time.monotonic() - t0:5.1f}s  peaks per push: {pushes}; "
@@ -179,6 +217,15 @@ async def amain(a: argparse.Namespace) -> None:
     for mode, r in rows:
         print(f"trainer during the {mode} pushes: extra {r['trainer_extra'] / MiB:.0f} MiB = "
               f"{r['trainer_extra'] / bucket:.2f} buckets = {r['trainer_extra'] / model_bytes:.2f} x model (two scratch buffers)")
+    for mode, r in rows:
+        d = r["delta"]
+        if d is None:
+            continue
+        extra = d["peak"] - d["baseline"]
+        print(f"{mode}+delta ({a.delta_changed:.0%} changed, {d['sent'] / MiB:.1f} MiB sent): worker extra {extra / MiB:.0f} MiB = "
+              f"{extra / model_bytes:.2f} x model = {extra / max(d['sent'], 1):.2f} x the delta sent; trainer: snapshot "
+              f"{d['snapshot'] / MiB:.0f} MiB ({d['snapshot'] / model_bytes:.2f} x model), RSS +{d['trainer_held'] / MiB:.0f} MiB "
+              f"held between pushes, +{d['trainer_extra'] / MiB:.0f} MiB at the peak of a delta push")
     print("\ntargets: in_place extra <= 2 buckets (peak <= model + 2 buckets); "
           "staged extra <= model + 2 buckets (peak <= 2 x model + 2 buckets). MiB = 2^20 bytes.")
 
@@ -189,6 +236,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=32)
     ap.add_argument("--pushes", type=int, default=2)
     ap.add_argument("--modes", default="staged,in_place")
+    ap.add_argument("--delta-changed", type=float, default=0.01, help="fraction of elements a delta push changes (0: no delta pushes)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     anyio.run(amain, a)

@@ -20,6 +20,7 @@ every kind is measured in turn within a rep, so drift on a shared machine hits a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from rlbus.transfer import (
     worker_transfer,
 )
 from rlbus.transfer.buckets import as_bytes, torch_dtype
+from rlbus.transfer.checksum import checksum
 from rlbus.transfer.stream import alloc_buffers, scratch_bytes
 
 BUCKET = 16 << 20
@@ -63,35 +65,51 @@ def mixed_model(total: int, count: int, seed: int) -> list[tuple[str, torch.Tens
 # --- worker process -----------------------------------------------------------------
 
 def worker_main() -> None:
-    """Serve one command per stdin line; answer the finish time on stdout."""
+    """Serve one command per stdin line; answer the finish time on stdout. The buffers of a
+    command are freed (and handed back to the OS) before the next: an idle receiver holds none."""
     for line in sys.stdin:
-        cmd = json.loads(line)
-        init = msgspec.json.decode(cmd["init"].encode(), type=TransferInit)
-        rx = worker_transfer(init.backend)
-        kind = cmd["kind"]
+        serve_one(json.loads(line))
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def serve_one(cmd: dict) -> None:  # noqa: C901
+    init = msgspec.json.decode(cmd["init"].encode(), type=TransferInit)
+    rx = worker_transfer(init.backend)
+    kind = cmd["kind"]
+    if kind in ("raw", "shm", "chunked"):
+        bufs = alloc_buffers(max(cmd["sizes"]), 1 if len(cmd["sizes"]) == 1 else 2)
+    elif kind == "rlbus":
+        params = msgspec.json.decode(cmd["params"].encode(), type=list[ParamMeta])
+        buckets = msgspec.json.decode(cmd["buckets"].encode(), type=list[BucketMeta])
+        dst = {m.name: torch.zeros(m.shape, dtype=torch_dtype(m.dtype)) for m in params}
+        scratch = alloc_buffers(max(b.nbytes for b in buckets))
+    else:  # naive
+        dst_list = [torch.zeros(n, dtype=torch.uint8) for n in cmd["sizes"]]
+    rx.join(init, cmd["rank"])
+    for _ in range(cmd["reps"]):
         if kind in ("raw", "shm"):
-            bufs = alloc_buffers(max(cmd["sizes"]))
+            for k, n in enumerate(cmd["sizes"]):
+                rx.recv(bufs[k % 2][:n]).wait()
+        elif kind == "chunked":  # hash chunk k while chunk k+1 arrives, as rlbus's receiver does
+            sizes = cmd["sizes"]
+            pending = rx.recv(bufs[0][: sizes[0]])
+            for k, n in enumerate(sizes):
+                pending.wait()
+                if k + 1 < len(sizes):
+                    pending = rx.recv(bufs[(k + 1) % 2][: sizes[k + 1]])
+                checksum(bufs[k % 2][:n])
         elif kind == "rlbus":
-            params = msgspec.json.decode(cmd["params"].encode(), type=list[ParamMeta])
-            buckets = msgspec.json.decode(cmd["buckets"].encode(), type=list[BucketMeta])
-            dst = {m.name: torch.zeros(m.shape, dtype=torch_dtype(m.dtype)) for m in params}
-            scratch = alloc_buffers(max(b.nbytes for b in buckets))
-        else:  # naive
-            dst_list = [torch.zeros(n, dtype=torch.uint8) for n in cmd["sizes"]]
-        rx.join(init, cmd["rank"])
-        for _ in range(cmd["reps"]):
-            if kind in ("raw", "shm"):
-                for k, n in enumerate(cmd["sizes"]):
-                    rx.recv(bufs[k % 2][:n]).wait()
-            elif kind == "rlbus":
-                # as an in_place worker does: a bucket that is one tensor lands in it directly
-                recv_buckets(rx, params, buckets, lambda n, v: None if v.data_ptr() == dst[n].data_ptr() else dst[n].copy_(v),
-                             scratch=scratch, landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst), into=dst)
-            else:
-                for d in dst_list:
-                    rx.recv(d).wait()
-            print(json.dumps({"t": time.monotonic()}), flush=True)
-        rx.close()
+            # as an in_place worker does: a bucket that is one tensor lands in it directly
+            recv_buckets(rx, params, buckets, lambda n, v: None if v.data_ptr() == dst[n].data_ptr() else dst[n].copy_(v),
+                         scratch=scratch, landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst), into=dst)
+        else:
+            for d in dst_list:
+                rx.recv(d).wait()
+        print(json.dumps({"t": time.monotonic()}), flush=True)
+    rx.close()
 
 
 # --- trainer ------------------------------------------------------------------------
@@ -127,6 +145,24 @@ class Fleet:
             assert p.stdin is not None
             p.stdin.close()
             p.wait(30)
+
+
+def send_chunked(tx, flat: torch.Tensor, chunk: int) -> None:  # noqa: ANN001
+    """The bare protocol-free baseline of a checksummed push: ``flat`` as broadcasts of
+    ``chunk`` bytes, each hashed (xxh3-128) just before it leaves, at most two in flight."""
+    window = []
+    for off in range(0, flat.numel(), chunk):
+        buf = flat[off : off + chunk]
+        checksum(buf)
+        if len(window) == 2:
+            window.pop(0).wait()
+        window.append(tx.send(buf))
+    for h in window:
+        h.wait()
+
+
+def chunk_sizes(nbytes: int, chunk: int) -> list[int]:
+    return [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
 
 
 def gbps(nbytes: int, s: float) -> float:

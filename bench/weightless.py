@@ -33,6 +33,10 @@ class WeightlessEngine:
         self._sleep_level = 0
 
     @property
+    def recovering(self) -> bool:
+        return False
+
+    @property
     def has_draft_model(self) -> bool:
         return False
 

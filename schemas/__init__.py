@@ -65,7 +65,17 @@ from .state import (
     version_problem,
 )
 from .subjects import UNKNOWN_OP_QUEUE, KvKey, ServiceName, Subjects, check_token
-from .tensors import BucketMeta, DType, ParamMeta, TransferInit, checksums_problem
+from .tensors import (
+    BucketMeta,
+    DeltaIndex,
+    DType,
+    Encoding,
+    ParamMeta,
+    TensorChecksum,
+    TransferInit,
+    checksums_problem,
+    tensor_checksums_problem,
+)
 from .worker_commands import (
     AbortSession,
     AnyWorkerCommand,

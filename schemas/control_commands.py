@@ -12,7 +12,7 @@ from typing import ClassVar, Literal, Union
 from .base import Message
 from .replies import FleetAck, ServerInfo, VersionInfo
 from .state import Backend, PauseMode, SleepTag, UpdateTarget
-from .tensors import BucketMeta, ParamMeta, TransferInit
+from .tensors import BucketMeta, ParamMeta, TensorChecksum, TransferInit
 
 
 class ControlCommand(Message, frozen=True, kw_only=True):
@@ -75,6 +75,11 @@ class StartWeightUpdate(ControlCommand, frozen=True, kw_only=True, tag="start_we
     speculative-decoding draft (the SDK's start_draft_weight_update sends this)."""
 
     target: UpdateTarget = "main"
+    base_seq: int | None = None
+    """A delta session: the commit sequence (`seq` for main, `draft_seq` for the draft) of the
+    weights its deltas apply to. Every worker not holding exactly that commit (another seq,
+    dirty, withheld, weights discarded) refuses with FAILED_PRECONDITION naming itself, and
+    nothing opens. None = a dense session (no deltas allowed)."""
 
 
 class UpdateWeights(ControlCommand, frozen=True, kw_only=True, tag="update_weights"):
@@ -95,6 +100,9 @@ class FinishWeightUpdate(ControlCommand, frozen=True, kw_only=True, tag="finish_
     checksums: list[str] = []
     """Every bucket sent in this session, in order: its xxh3-128 (32 hex digits), computed
     by the trainer as the bucket left. The SDK fills it in."""
+    tensor_checksums: list[TensorChecksum] = []
+    """A delta session: the xxh3-128 of every delta-encoded tensor's full resulting bytes;
+    each worker checks what it built against them before it reports ready."""
 
 
 class AbortWeightUpdate(ControlCommand, frozen=True, kw_only=True, tag="abort_weight_update"):

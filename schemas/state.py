@@ -78,6 +78,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     weight_seq: int = 0
     """Commit sequence of the weights it holds (VersionInfo.seq)."""
     draft_version: str | None = None
+    draft_seq: int = 0
+    """Commit sequence of the draft weights it holds (VersionInfo.draft_seq); 0 until it took a draft commit."""
     param_bytes: int = 0
     """Bytes of parameter storage resident in the engine (0 when weights sleep)."""
     kv_cache_bytes: int = 0

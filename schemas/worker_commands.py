@@ -10,7 +10,7 @@ from typing import Literal, Union
 
 from .base import Message
 from .state import FleetState, PauseMode, SleepTag, UpdateTarget
-from .tensors import BucketMeta, ParamMeta, TransferInit
+from .tensors import BucketMeta, ParamMeta, TensorChecksum, TransferInit
 
 
 class WorkerCommand(Message, frozen=True, kw_only=True):
@@ -55,6 +55,8 @@ class JoinTransfer(WorkerCommand, frozen=True, kw_only=True, tag="init_weight_tr
 class OpenSession(WorkerCommand, frozen=True, kw_only=True, tag="start_weight_update"):
     session_id: str
     target: UpdateTarget
+    base_seq: int | None = None
+    """A delta session's base (StartWeightUpdate.base_seq): refused unless the worker holds exactly it."""
 
 
 class ReceiveWeights(WorkerCommand, frozen=True, kw_only=True, tag="update_weights"):
@@ -71,6 +73,8 @@ class PrepareCommit(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
     session_id: str
     checksums: list[str] = []
     """The trainer's checksums (FinishWeightUpdate.checksums) to verify the received buckets against."""
+    tensor_checksums: list[TensorChecksum] = []
+    """FinishWeightUpdate.tensor_checksums: the full resulting tensors of a delta session."""
 
 
 class Commit(WorkerCommand, frozen=True, kw_only=True, tag="commit"):

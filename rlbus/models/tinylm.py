@@ -6,6 +6,7 @@ Random init from a seed (so every worker starts bit-identical), size set by flag
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import msgspec
 import torch
@@ -20,6 +21,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     n_heads: int = 4
     max_seq_len: int = 128
     seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter (and KV cache) dtype. bfloat16 is initialised in float32 from the seed and
+    rounded, so a float32 master copy of the same seed rounds to the same weights."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +105,14 @@ class Block(nn.Module):
         return x
 
 
+def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Its parameters (only: the rotary tables stay float32) to `dtype`, initialised as float32."""
+    for p in module.parameters():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
+
+
 class TinyLM(nn.Module):
     """A causal LM small enough for CPUs, real enough to train and to serve."""
 
@@ -107,12 +123,14 @@ class TinyLM(nn.Module):
         torch.manual_seed(cfg.seed)
         try:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            # each block takes its dtype as it is built: a bf16 model never holds a float32 copy of itself
+            self.blocks = nn.ModuleList(_cast(Block(cfg), cfg.torch_dtype) for _ in range(cfg.n_layers))
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             nn.init.normal_(self.lm_head.weight, std=1.0 / math.sqrt(cfg.d_model))
         finally:
             torch.random.set_rng_state(gen_state)
+        _cast(self, cfg.torch_dtype)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len)
 
     def forward(

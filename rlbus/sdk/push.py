@@ -1,11 +1,17 @@
 """The trainer's side of an update session: WeightPush owns the transfer group (rank 0), the
 workers it was built for, the two packing buffers and the checksums of the open session.
-RLClient (client.py) delegates its update calls here."""
+RLClient (client.py) delegates its update calls here.
+
+Delta sessions (`start(..., delta=True)`): WeightPush keeps the last committed bits of what it
+sent (snapshot.py) and sends, per tensor, only the elements whose bits changed since then,
+against that commit's sequence number; a fleet that does not hold exactly that commit refuses,
+and the session opens dense instead (PushStats.fallback says why)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -28,6 +34,7 @@ from rlbus.schemas import (
     RLBusError,
     ServerInfo,
     StartWeightUpdate,
+    TensorChecksum,
     TransferInit,
     Unavailable,
     UpdateTarget,
@@ -38,6 +45,7 @@ from rlbus.schemas import (
 if TYPE_CHECKING:
     import torch
 
+    from rlbus.sdk.snapshot import Committed, Pending
     from rlbus.transfer.base import TrainerTransfer
 
 log = logging.getLogger("rlbus.sdk.push")
@@ -55,6 +63,47 @@ workers (session id, epoch, command id)."""
 
 PARAM_META_BOUND = 160
 """An upper bound of one ParamMeta's encoded size beside its name and shape."""
+
+DELTA_META_BOUND = 96
+"""What a delta's fields (encoding, index, changed, index_nbytes, values_offset) add to it."""
+
+
+class PushStats(msgspec.Struct, kw_only=True):
+    """What one update session sent (`RLClient.last_push`)."""
+
+    target: UpdateTarget = "main"
+    delta: bool = False
+    """The session carried deltas against `base_seq` (else every tensor went dense)."""
+    base_seq: int | None = None
+    fallback: str | None = None
+    """A delta was asked for and the fleet refused its base: why (the session went dense)."""
+    committed: bool = False
+    tensors: int = 0
+    tensors_delta: int = 0
+    tensors_dense: int = 0
+    tensors_unchanged: int = 0
+    """Bit-identical to the base: not sent at all."""
+    elements: int = 0
+    compared: int = 0
+    """Elements compared against the base (tensors the snapshot had)."""
+    changed: int = 0
+    """Of those, how many differ in their bits."""
+    bytes_sent: int = 0
+    """Bytes on the wire (every bucket, deltas and dense tensors)."""
+    bytes_dense: int = 0
+    """What the same tensors take dense."""
+    encode_s: float = 0.0
+    """Trainer time spent comparing against the base and encoding."""
+
+    @property
+    def changed_fraction(self) -> float | None:
+        """Changed elements over compared ones (None: nothing compared)."""
+        return self.changed / self.compared if self.compared else None
+
+    @property
+    def byte_ratio(self) -> float:
+        """bytes_sent / bytes_dense (1.0 for a dense session)."""
+        return self.bytes_sent / self.bytes_dense if self.bytes_dense else 1.0
 
 
 class Call(Protocol):
@@ -85,6 +134,19 @@ class WeightPush:
         never land in another trainer's session."""
         self.bucket_bytes: int | None = None
         """Bucket size (None: sized to the transport, see BUCKET_BYTES)."""
+        self.committed: dict[str, Committed] = {}
+        """Per target: the committed bits of every tensor sent in tracked (delta=True) sessions."""
+        self.pending: Pending | None = None
+        """The open tracked session's record, swapped into `committed` only at a successful finish."""
+        self.tensor_checksums: list[TensorChecksum] = []
+        """The open session's checksums of full resulting tensors (of those sent as deltas)."""
+        self.stats: PushStats = PushStats()
+        """The open (or last) session's counts."""
+        self.last: PushStats | None = None
+        """The last session that finished or failed."""
+        self._target: UpdateTarget = "main"
+        self.encode_threads = min(4, os.cpu_count() or 1)
+        """Threads that compare tensors against the committed bits in a delta session."""
 
     @property
     def ready(self) -> bool:
@@ -159,10 +221,99 @@ class WeightPush:
         self.group = [w.worker_id for w in ack.workers]
         return ack
 
-    async def start(self, target: UpdateTarget) -> FleetAck:
-        ack = await self._call(StartWeightUpdate(target=target), FleetAck)
+    async def start(self, target: UpdateTarget, delta: bool = False) -> FleetAck:
+        """Open a session. delta: send deltas against the last commit this client tracked,
+        if there is one and every worker holds exactly it; otherwise the session is dense
+        (a refusal's message is kept in stats.fallback) and tracks what it sends."""
+        base = self.committed.get(target) if delta else None
+        fallback: str | None = None
+        ack: FleetAck | None = None
+        if base is not None:
+            try:
+                ack = await self._call(StartWeightUpdate(target=target, base_seq=base.seq), FleetAck)
+            except FailedPrecondition as e:  # not on the base (or anything else: the dense start says)
+                fallback = e.message
+                log.warning("delta push refused (%s); pushing dense weights to the fleet instead", e.message)
+                base = None
+        if ack is None:
+            ack = await self._call(StartWeightUpdate(target=target), FleetAck)
         self.checksums, self.session_id = [], ack.session_id
+        self.tensor_checksums = []
+        self._target = target
+        if delta:
+            from rlbus.sdk.snapshot import Pending
+
+            self.pending = Pending(base_seq=base.seq if base is not None else None)
+        else:
+            self.pending = None
+        self.stats = PushStats(target=target, delta=base is not None, base_seq=base.seq if base else None, fallback=fallback)
         return ack
+
+    def _encode(self, named: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """What travels for each tensor of a tracked session: its delta's bytes, nothing (not
+        changed), or the tensor itself; records each in `pending`. Runs in a thread; the
+        compares run on `encode_threads` threads (numpy and torch release the GIL)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from rlbus.sdk.snapshot import host_copy
+        from rlbus.transfer import delta as D
+        from rlbus.transfer.buckets import as_bytes
+        from rlbus.transfer.checksum import checksum
+
+        pending, st = self.pending, self.stats
+        assert pending is not None
+        base = self.committed.get(self._target) if pending.base_seq is not None else None
+        t0 = time.perf_counter()
+        olds: list[torch.Tensor | None] = []
+        for name, t in named:
+            again = name in pending.deltas or name in pending.dense
+            if again:  # sent twice in a session: the second goes dense (the first's delta is void)
+                pending.deltas.pop(name, None)
+                self.tensor_checksums = [c for c in self.tensor_checksums if c.name != name]
+            old = base.tensors.get(name) if base is not None and not again else None
+            olds.append(old if old is not None and old.dtype == t.dtype and old.shape == t.shape else None)
+
+        def compare(k: int) -> tuple[int, Any, str] | None:
+            old = olds[k]
+            if old is None:
+                return None
+            t = named[k][1]
+            host = t if t.device.type == "cpu" else t.cpu()
+            changed, d = D.diff(host, old)
+            return changed, d, checksum(as_bytes(host)) if changed and d is not None else ""
+
+        threads = max(1, min(self.encode_threads, sum(o is not None for o in olds)))
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="rlbus-delta") as pool:
+                found = list(pool.map(compare, range(len(named))))
+        else:
+            found = [compare(k) for k in range(len(named))]
+        sending: list[tuple[str, torch.Tensor]] = []
+        deltas: dict[str, Any] = {}
+        for (name, t), got in zip(named, found):
+            numel = t.numel()
+            st.tensors += 1
+            st.elements += numel
+            st.bytes_dense += numel * t.element_size()
+            if got is not None:
+                changed, d, digest = got
+                st.compared += numel
+                st.changed += changed
+                if changed == 0:
+                    st.tensors_unchanged += 1
+                    continue
+                if d is not None:
+                    pending.deltas[name] = d
+                    self.tensor_checksums.append(TensorChecksum(name=name, checksum=digest))
+                    sending.append((name, d.blob))
+                    deltas[name] = d
+                    st.tensors_delta += 1
+                    continue
+            pending.dense[name] = host_copy(t)
+            sending.append((name, t))
+            st.tensors_dense += 1
+        st.encode_s += time.perf_counter() - t0
+        return sending, deltas
 
     async def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int | None) -> FleetAck:
         """Metadata through the controller (every worker checks names, dtypes and shapes
@@ -179,14 +330,25 @@ class WeightPush:
         named = [(n, t.detach()) for n, t in named_tensors]
         size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self.init.backend if self.init else "gloo"]
         limit = self._max_payload() - META_HEADROOM
-        biggest = max((_meta_bound(n, t) for n, t in named), default=0)
+        extra = DELTA_META_BOUND if self.pending is not None else 0
+        biggest = max((_meta_bound(n, t) + extra for n, t in named), default=0)
         if biggest > limit:
             name = max(named, key=lambda nt: _meta_bound(*nt))[0]
             raise InvalidArgument(
                 f"the metadata of tensor {name[:80]!r} alone is ~{biggest} bytes, over the NATS server's max_payload "
                 f"({self._max_payload()} bytes, less {META_HEADROOM} of headroom); shorten its name or raise max_payload"
             )
+        deltas: dict[str, Any] = {}
+        if self.pending is not None:
+            named, deltas = await detached(lambda: self._encode(named), name="rlbus-delta")
+        elif self.session_id is not None:
+            self.stats.tensors += len(named)
+            self.stats.elements += sum(t.numel() for _, t in named)
+            self.stats.bytes_dense += sum(t.numel() * t.element_size() for _, t in named)
         plan = prepare(named, size, max_tensors=max(1, limit // max(biggest, 1)))
+        self.stats.bytes_sent += plan.total_bytes
+        # on the wire a delta names its tensor's dtype and shape (the plan packed its bytes as uint8)
+        per_bucket = [[deltas[m.name].meta(m) if m.name in deltas else m for m in ms] for ms in plan.per_bucket]
         # A transport that shares the trainer's memory (shm) hands out the scratch buffers
         # itself: every bucket is packed there and workers copy straight out of it.
         every = packs_every_bucket(tx)
@@ -194,8 +356,8 @@ class WeightPush:
         if self._scratch_of is not tx or min((b.numel() for b in self.scratch), default=-1) < need:
             self.scratch, self._scratch_of = scratch_pair(tx, need), tx
         ack: FleetAck | None = None
-        for first, last in meta_chunks(plan.per_bucket, limit):
-            params = [msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in plan.per_bucket[k]]
+        for first, last in meta_chunks(per_bucket, limit):
+            params = [msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in per_bucket[k]]
             buckets = [msgspec.structs.replace(b, index=b.index - first) for b in plan.buckets[first:last]]
             ack = await self._call(UpdateWeights(params=params, buckets=buckets, session_id=self.session_id,
                                                  group=self.init.group_name if self.init else ""), FleetAck)
@@ -212,15 +374,41 @@ class WeightPush:
         return ack
 
     async def finish(self, weight_version: str | None) -> FleetAck:
-        ack = await self._call(FinishWeightUpdate(weight_version=weight_version, checksums=self.checksums,
-                                                  session_id=self.session_id), FleetAck)
+        pending, stats = self.pending, self.stats
+        try:
+            ack = await self._call(FinishWeightUpdate(weight_version=weight_version, checksums=self.checksums,
+                                                      tensor_checksums=self.tensor_checksums, session_id=self.session_id), FleetAck)
+        except RLBusError:
+            if stats.delta:
+                # a delta that did not commit may have met a worker whose bits are not the base
+                # after all: the next tracked push goes dense, which heals it
+                self.committed.pop(self._target, None)
+            self.last = stats
+            raise
+        finally:
+            self.pending = None
         self.session_id = None
+        stats.committed = True
+        self.last = stats
+        if pending is not None:
+            seqs = {w.weight_seq if self._target == "main" else w.draft_seq for w in ack.workers}
+            if len(seqs) == 1:
+                self.committed[self._target] = pending.commit(self.committed.get(self._target), seqs.pop())
+            else:  # cannot happen after a commit every worker acked; then nothing is a safe base
+                self.committed.pop(self._target, None)
         return ack
 
     async def abort(self, reason: str) -> FleetAck:
+        self.pending = None  # the snapshot stays at the last commit
+        self.last = self.stats
         ack = await self._call(AbortWeightUpdate(reason=reason, session_id=self.session_id), FleetAck)
         self.checksums, self.session_id = [], None
         return ack
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host bytes held for deltas: the committed bits of every target, and the open session's record."""
+        return sum(c.nbytes for c in self.committed.values()) + (self.pending.nbytes if self.pending else 0)
 
 
 def _meta_bound(name: str, t: torch.Tensor) -> int:

@@ -61,6 +61,32 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * torch_dtype(dtype).itemsize
 
 
+VALUES_ALIGN = 8
+"""A delta's values start this aligned after its index block (any dtype can be viewed in place)."""
+
+
+def delta_index_nbytes(index: str, changed: int, numel: int) -> int:
+    """Bytes of a delta's index block: int32 indices, or a bitmap of ``numel`` bits."""
+    return 4 * changed if index == "int32" else (numel + 7) // 8
+
+
+def delta_layout_problem(m: ParamMeta) -> str | None:
+    """Why a delta ParamMeta's sizes are inconsistent (None when they agree with each other)."""
+    numel = math.prod(m.shape)
+    itemsize = torch_dtype(m.dtype).itemsize
+    if not 1 <= m.changed <= numel:
+        return f"changed {m.changed} outside 1..{numel}"
+    if m.index_nbytes != delta_index_nbytes(m.index, m.changed, numel):
+        return f"index_nbytes {m.index_nbytes} does not match {m.index} for {m.changed} of {numel} elements"
+    if m.values_offset != align_up(m.index_nbytes, VALUES_ALIGN):
+        return f"values_offset {m.values_offset} is not index_nbytes rounded up to {VALUES_ALIGN}"
+    if m.nbytes != m.values_offset + m.changed * itemsize:
+        return f"nbytes {m.nbytes} != values_offset + changed x {itemsize}"
+    if m.offset % VALUES_ALIGN:
+        return f"offset {m.offset} is not a multiple of {VALUES_ALIGN}"
+    return None
+
+
 _MEMMOVE_BELOW = 1 << 20
 """pack copies a tensor smaller than this with ctypes.memmove (see pack)."""
 
@@ -186,7 +212,8 @@ def unpack(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta]) -> list[tupl
     out: list[tuple[str, torch.Tensor]] = []
     for m in metas_of_bucket:
         raw = buf[m.offset : m.offset + m.nbytes]
-        out.append((m.name, raw.view(torch_dtype(m.dtype)).view(m.shape)))
+        # a delta's bytes stay raw (index block + values): rlbus.transfer.delta decodes them
+        out.append((m.name, raw if m.encoding != "dense" else raw.view(torch_dtype(m.dtype)).view(m.shape)))
     return out
 
 
@@ -198,7 +225,7 @@ def copy_out(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta],
     base = buf.data_ptr()
     out: list[tuple[str, torch.Tensor]] = []
     for m in metas_of_bucket:
-        d = into.get(m.name)
+        d = into.get(m.name) if m.encoding == "dense" else None
         if d is not None and m.nbytes < _MEMMOVE_BELOW and d.is_cpu and d.is_contiguous() \
                 and d.numel() * d.element_size() == m.nbytes and m.offset + m.nbytes <= buf.numel():
             ctypes.memmove(d.data_ptr(), base + m.offset, m.nbytes)
@@ -227,13 +254,15 @@ def validate(params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]) -> None
         names.add(m.name)
         if any(d < 0 for d in m.shape):
             raise PlanError(f"tensor {m.name!r} has a negative dimension")
-        if tensor_nbytes(m.dtype, m.shape) != m.nbytes:
+        if m.encoding == "dense" and tensor_nbytes(m.dtype, m.shape) != m.nbytes:
             raise PlanError(f"tensor {m.name!r}: nbytes {m.nbytes} does not match {m.dtype}{m.shape}")
+        if m.encoding == "delta" and (problem := delta_layout_problem(m)):
+            raise PlanError(f"delta of tensor {m.name!r}: {problem}")
         if not 0 <= m.bucket < len(buckets):
             raise PlanError(f"tensor {m.name!r} names bucket {m.bucket}, there are {len(buckets)}")
         if m.offset < 0 or m.offset + m.nbytes > buckets[m.bucket].nbytes:
             raise PlanError(f"tensor {m.name!r} lies outside bucket {m.bucket}")
-        if m.offset % torch_dtype(m.dtype).itemsize:
+        if m.encoding == "dense" and m.offset % torch_dtype(m.dtype).itemsize:
             raise PlanError(f"tensor {m.name!r} is misaligned for {m.dtype}")
     for group in by_bucket(params, len(buckets)):
         for a, b in zip(group, group[1:]):

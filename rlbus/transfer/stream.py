@@ -94,7 +94,7 @@ def sole_tensor_bytes(metas: Sequence[ParamMeta], size: int, tensors: Mapping[st
     """The bytes of a bucket that is exactly one contiguous CPU tensor, as a uint8 view of
     that tensor's own memory (None otherwise). The trainer sends such a bucket from the
     tensor itself; an in_place worker receives it straight into its live parameter."""
-    if len(metas) != 1 or metas[0].offset != 0 or metas[0].nbytes != size:
+    if len(metas) != 1 or metas[0].offset != 0 or metas[0].nbytes != size or metas[0].encoding != "dense":
         return None
     t = tensors.get(metas[0].name)
     if t is None or t.device.type != "cpu" or not t.is_contiguous():

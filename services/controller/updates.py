@@ -35,6 +35,7 @@ from rlbus.schemas import (
     encode,
     error_for,
     refuse,
+    tensor_checksums_problem,
     version_problem,
 )
 from rlbus.services.endpoints import Routes
@@ -206,7 +207,7 @@ class Updates:
             sid = uuid.uuid4().hex[:16]
             step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
             try:
-                out = await self.fleet.send(stamped(OpenSession, target=target, session_id=sid), workers)
+                out = await self.fleet.send(stamped(OpenSession, target=target, session_id=sid, base_seq=cmd.base_seq), workers)
             except BaseException:  # the caller's deadline passed: close what opened
                 with anyio.CancelScope(shield=True):
                     await self.fleet.send(stamped(AbortSession, session_id=sid, reason="start ran out of time"), workers)
@@ -249,7 +250,7 @@ class Updates:
     async def finish_weight_update(self, cmd: FinishWeightUpdate) -> FleetAck:
         if cmd.weight_version is not None and (problem := version_problem(cmd.weight_version)):
             raise InvalidArgument(problem)
-        if problem := checksums_problem(cmd.checksums):
+        if problem := checksums_problem(cmd.checksums) or tensor_checksums_problem(cmd.tensor_checksums):
             raise InvalidArgument(problem)
         async with self.fleet.lock:
             if cmd.weight_version is not None:
@@ -260,7 +261,9 @@ class Updates:
             sid = committing.session_id
             workers = self.fleet.ids()
             try:
-                prepared = await self.fleet.send(stamped(PrepareCommit, session_id=sid, checksums=cmd.checksums), workers)
+                prepared = await self.fleet.send(
+                    stamped(PrepareCommit, session_id=sid, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums), workers
+                )
             except BaseException:  # the caller's deadline passed: the session cannot stay Committing
                 with anyio.CancelScope(shield=True):
                     await self._apply(S.Failed(reason="finish ran out of time"), "finish ran out of time in prepare")

@@ -57,6 +57,11 @@ class Engine(Protocol):
     spec_accepted: int
 
     @property
+    def recovering(self) -> bool:
+        """The engine lost its weights (a failed load) and is bringing back the committed ones:
+        the worker leaves the generate queue until it is done, then asks to be reconciled."""
+
+    @property
     def num_params(self) -> int: ...
 
     def status(self) -> EngineStatus: ...

@@ -57,7 +57,7 @@ class _Part:
         self.config = config
         self.model = TinyLM(config).eval()
         self.model.requires_grad_(False)
-        self.kv = KVCache(config, slots)
+        self.kv = KVCache(config, slots, dtype=config.torch_dtype)
         self.specs = {n: ParamSpec(p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
         self.backup: dict[str, torch.Tensor] = {}
         self.saved_buffers: dict[str, torch.Tensor] = {}
@@ -150,6 +150,10 @@ class ReferenceEngine:
     def model(self) -> TinyLM:
         """The verifier (main) model."""
         return self.main.model
+
+    @property
+    def recovering(self) -> bool:
+        return False  # a failed load here changes nothing (staged) or leaves it dirty until a commit
 
     @property
     def has_draft_model(self) -> bool:

@@ -105,6 +105,8 @@ class WorkerService:
         fleet's desired state), while it is behind the committed version, and after it finds
         it was silent longer than the controller's liveness timeout (it may have been dropped)."""
         self._liveness_s = 3.0
+        self._recovering = False
+        """The engine was seen recovering from a failed load (see _follow_recovery)."""
         self.controller_id = ""
         """The controller that last synced this worker."""
         self._last_beat = time.monotonic()
@@ -134,6 +136,7 @@ class WorkerService:
             weight_version=e.weight_version,
             weight_seq=e.weight_seq,
             draft_version=e.draft_version,
+            draft_seq=self.updates.draft_seq,
             dirty=e.dirty,
             withheld=self.withheld,
             session_id=self.updates.session_id,
@@ -224,6 +227,17 @@ class WorkerService:
             ) from None
         raise FailedPrecondition(f"worker id {self.id!r} is already in use by a live worker; stop it or pick another --id")
 
+    async def _follow_recovery(self) -> None:
+        """An engine bringing back its committed weights after a failed load takes no traffic;
+        once it is back, the controller reconciles it like any rejoining worker."""
+        if self.engine.recovering and not self._recovering:
+            log.warning("worker %s: its engine is recovering from a failed load; withheld from generation", self.id)
+            self._recovering = True
+            await self._withhold(True)
+        elif self._recovering and not self.engine.recovering:
+            self._recovering = False
+            await self.announce()
+
     def _silent_too_long(self) -> bool:
         """The event loop did not run for longer than the liveness timeout (SIGSTOP, a stall):
         the controller has likely dropped this worker and the fleet may have moved on."""
@@ -237,6 +251,7 @@ class WorkerService:
                             self.id, time.monotonic() - self._last_beat)
                 await self._withhold(True)
                 await self.announce()
+            await self._follow_recovery()
             self._last_beat = time.monotonic()
             if self.nc.is_connected:
                 try:
@@ -322,7 +337,11 @@ class WorkerService:
         return self.ack()
 
     async def _open_session(self, cmd: OpenSession) -> WorkerAck:
-        self.updates.start(cmd.session_id, cmd.target)
+        if cmd.base_seq is not None and self.updates.session_id != cmd.session_id:
+            problem = self.updates.base_problem(cmd.target, cmd.base_seq, self.withheld)
+            if problem:
+                raise FailedPrecondition(f"worker {self.id} cannot apply a delta: {problem}; push dense weights")
+        self.updates.start(cmd.session_id, cmd.target, cmd.base_seq)
         return self.ack()
 
     async def _receive_weights(self, cmd: ReceiveWeights) -> WorkerAck:
@@ -333,15 +352,22 @@ class WorkerService:
         return self.ack()
 
     async def _prepare(self, cmd: PrepareCommit) -> WorkerAck:
-        await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s, cmd.checksums)
+        results = {"tensor_checksums": cmd.tensor_checksums} if cmd.tensor_checksums else {}  # a delta session's
+        await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s, cmd.checksums, **results)
         return self.ack()
 
     async def _commit(self, cmd: Commit) -> WorkerAck:
         target = self.updates.session.target if self.updates.session else "main"
-        await self.updates.commit(cmd.session_id, cmd.weight_version)
+        try:
+            await self.updates.commit(cmd.session_id, cmd.weight_version)
+        except Exception:
+            await self._follow_recovery()  # a failed load: out of the generate queue at once
+            raise
         if target == "main":
             self.engine.weight_seq = cmd.seq  # no await since the commit: replies see both at once
             await self._withhold(False)  # it holds the committed weights now
+        else:
+            self.updates.draft_seq = cmd.seq
         return self.ack()
 
     async def _abort_session(self, cmd: AbortSession) -> WorkerAck:

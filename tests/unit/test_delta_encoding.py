@@ -1,0 +1,179 @@
+"""Delta encoding (rlbus.transfer.delta): bit-exact round trips, the smallest form, and
+refusal of bytes that do not decode."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from rlbus.schemas import BucketMeta, ParamMeta
+from rlbus.transfer import delta as D
+from rlbus.transfer.base import PlanError
+from rlbus.transfer.buckets import unpack, validate
+
+
+def _planned(d: D.Delta, offset: int = 0) -> ParamMeta:
+    n = d.blob.numel()
+    return d.meta(ParamMeta(name="w", dtype="uint8", shape=[n], bucket=0, offset=offset, nbytes=n))
+
+
+def _round_trip(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    d = D.encode(new, base)
+    if d is None:  # dense is no bigger (a tiny tensor): it travels as it is
+        return new.clone()
+    out = base.clone()
+    if d.changed:
+        pos, values = D.decode(d.blob, _planned(d))
+        D.apply(out, pos, values)
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(D.bits(a.contiguous()), D.bits(b.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64])
+@pytest.mark.parametrize("numel", [1, 7, 1000, 4099])
+def test_a_sparse_change_round_trips_bit_for_bit(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    base = (torch.randn(numel, generator=g) * 100).to(dtype)
+    new = base.clone()
+    idx = torch.randperm(numel, generator=g)[: max(1, numel // 100)]
+    new[idx] = (torch.randn(idx.numel(), generator=g) * 100).to(dtype)
+    assert _same_bits(_round_trip(new, base), new)
+
+
+def test_bits_not_float_equality_decide_what_changed():
+    base = torch.tensor([0.0, float("nan"), 1.0, 2.0, 3.0, 4.0, 5.0, 6.0] * 8, dtype=torch.bfloat16)
+    new = base.clone()
+    new[0] = -0.0  # equal as floats, other bits
+    new[2] = 1.0  # same bits
+    assert D.changed_positions(new, base).tolist() == [0]  # NaN == NaN bitwise: unchanged
+    assert _same_bits(_round_trip(new, base), new)
+
+
+def test_an_unchanged_tensor_has_an_empty_delta():
+    base = torch.randn(64, 32).to(torch.bfloat16)
+    d = D.encode(base.clone(), base)
+    assert d is not None and d.changed == 0
+
+
+def test_a_tensor_that_changed_entirely_goes_dense():
+    base = torch.randn(4096).to(torch.bfloat16)
+    assert D.encode(base + 1, base) is None
+
+
+def test_indices_while_they_beat_dense_then_a_bitmap():
+    base = torch.zeros(80_000, dtype=torch.bfloat16)
+    few, some, many = base.clone(), base.clone(), base.clone()
+    few[::1000] = 1
+    some[::5] = 1  # 20%: a bitmap would be smaller, but it costs a pass over every element to apply
+    many[::2] = 1
+    f, s, m = D.encode(few, base), D.encode(some, base), D.encode(many, base)
+    assert f is not None and f.index == "int32" and f.blob.numel() == 80 * 4 + 80 * 2
+    assert s is not None and s.index == "int32" and s.blob.numel() == 16_000 * 6
+    assert m is not None and m.index == "bitmap" and m.blob.numel() == 10_000 + 40_000 * 2
+    assert _same_bits(_round_trip(many, base), many)
+
+
+def test_odd_sizes_and_strided_tensors_compare_element_wise():
+    base = torch.randn(3, 5).to(torch.float16)  # 30 bytes: no 8-byte words
+    new = base.clone()
+    new[1, 2] += 1
+    assert D.changed_positions(new, base).tolist() == [7]
+    t = torch.randn(8, 8)
+    assert D.changed_positions(t.t(), t.t().clone()).numel() == 0
+
+
+def test_the_wire_metadata_describes_the_blob_and_validates():
+    base = torch.randn(16, 64).to(torch.bfloat16)
+    new = base.clone()
+    new[3, 5] = 7
+    d = D.encode(new, base)
+    assert d is not None
+    m = _planned(d, offset=64)
+    assert (m.dtype, m.shape, m.encoding, m.changed, m.index_nbytes, m.values_offset) == ("bfloat16", [16, 64], "delta", 1, 4, 8)
+    validate([m], [BucketMeta(index=0, nbytes=64 + m.nbytes)])
+    buf = torch.zeros(64 + m.nbytes, dtype=torch.uint8)
+    buf[64:].copy_(d.blob)
+    [(name, raw)] = unpack(buf, [m])
+    assert name == "w" and raw.dtype == torch.uint8 and raw.numel() == m.nbytes  # raw bytes, for decode
+
+
+def test_inconsistent_delta_metadata_is_refused_before_bytes_move():
+    base = torch.randn(100).to(torch.bfloat16)
+    new = base.clone()
+    new[1] = 3
+    d = D.encode(new, base)
+    assert d is not None
+    m = _planned(d)
+    for bad in (dict(changed=0), dict(changed=101), dict(index_nbytes=8), dict(values_offset=4), dict(nbytes=m.nbytes + 2)):
+        with pytest.raises(PlanError):
+            validate([msgspec.structs.replace(m, **bad)], [BucketMeta(index=0, nbytes=256)])
+
+
+def test_corrupted_indices_do_not_decode():
+    base = torch.randn(100).to(torch.bfloat16)
+    new = base.clone()
+    new[[5, 9]] = 3
+    d = D.encode(new, base)
+    assert d is not None
+    m = _planned(d)
+    for corrupt in ([5, 100], [9, 5], [-1, 5]):
+        blob = d.blob.clone()
+        blob[:8].view(torch.int32).copy_(torch.tensor(corrupt, dtype=torch.int32))
+        with pytest.raises(D.DeltaError):
+            D.decode(blob, m)
+
+
+def test_a_bitmap_that_disagrees_with_its_count_does_not_decode():
+    base = torch.zeros(100, dtype=torch.bfloat16)
+    new = base.clone()
+    new[::2] = 1
+    d = D.encode(new, base)
+    assert d is not None and d.index == "bitmap"
+    m = _planned(d)
+    blob = d.blob.clone()
+    blob[0] |= 0b10  # one more element marked
+    with pytest.raises(D.DeltaError):
+        D.decode(blob, m)
+    blob = d.blob.clone()
+    blob[12] |= 0b1000_0000  # bit 103: past the tensor
+    with pytest.raises(D.DeltaError):
+        D.decode(blob, m)
+
+
+def test_the_base_must_have_the_tensors_dtype_and_shape():
+    with pytest.raises(PlanError):
+        D.encode(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(PlanError):
+        D.encode(torch.zeros(4), torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.2, 0.7])
+def test_write_applies_either_index_onto_the_base_in_place(fraction):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3 * D._CHUNK + 13, generator=g).to(torch.bfloat16)  # several chunks and a ragged end
+    new = base.clone()
+    idx = torch.randperm(new.numel(), generator=g)[: int(new.numel() * fraction)]
+    new[idx] = torch.randn(idx.numel(), generator=g).to(torch.bfloat16)
+    d = D.encode(new, base)
+    assert d is not None and d.index == ("int32" if fraction < 0.3 else "bitmap")
+    out = base.clone()
+    D.write(out, d.blob, _planned(d))
+    assert _same_bits(out, new)
+
+
+def test_write_refuses_a_bitmap_whose_count_is_wrong_before_writing():
+    base = torch.zeros(100, dtype=torch.bfloat16)
+    new = base.clone()
+    new[::2] = 1
+    d = D.encode(new, base)
+    assert d is not None and d.index == "bitmap"
+    blob = d.blob.clone()
+    blob[0] |= 0b10
+    out = base.clone()
+    with pytest.raises(D.DeltaError):
+        D.write(out, blob, _planned(d))
+    assert _same_bits(out, base)
