@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 
 from rlbus.sdk.client import RLClient
 from rlbus.runners.local import LocalFleet
@@ -61,9 +63,30 @@ async def fleet_running(url: str, prefix: str, *args: object, **kw: object) -> A
         await fleet.close()
 
 
-def worker_command(url: str, prefix: str, worker_id: str, backend: str, model: ModelConfig = SMALL) -> list[str]:
+def worker_command(url: str, prefix: str, worker_id: str, backend: str, model: ModelConfig = SMALL,
+                   heartbeat: float = 0.2) -> list[str]:
     """`rlbus worker` as a real process, hosting the reference engine with `model`'s shape."""
     return [sys.executable, "-m", "rlbus", "worker", "--nats-url", url, "--prefix", prefix, "--id", worker_id,
-            "--weight-transfer-backend", backend, "--heartbeat", "0.2",
+            "--weight-transfer-backend", backend, "--heartbeat", str(heartbeat),
             "--vocab-size", str(model.vocab_size), "--d-model", str(model.d_model), "--n-layers", str(model.n_layers),
             "--n-heads", str(model.n_heads), "--max-seq-len", str(model.max_seq_len), "--seed", str(model.seed)]
+
+
+@contextmanager
+def nccl_worker(url: str, prefix: str, worker_id: str, model: ModelConfig, *flags: str) -> Iterator[subprocess.Popen]:
+    """`rlbus worker` over nccl as a process on the last GPU (NCCL refuses two ranks on one GPU,
+    "Duplicate GPU detected": the trainer keeps cuda:0), given `flags` too; stopped after the body."""
+    import torch
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(torch.cuda.device_count() - 1), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([*worker_command(url, prefix, worker_id, "nccl", model, heartbeat=0.25), *flags], env=env,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -111,6 +111,16 @@ async def settle(rl: RLClient) -> None:
     await rl.resume()
 
 
+@pytest.fixture(autouse=True)
+async def settled(request):  # noqa: ANN001, ANN201
+    """Every test leaves the module's fleet with no session, awake and resumed (a module that
+    imports this autouse fixture gets it around each of its tests)."""
+    yield
+    if "fleet" in request.fixturenames:
+        _, rl = request.getfixturevalue("fleet")
+        await settle(rl)
+
+
 class VersionEvents:
     """Every message on `<prefix>.version`, decoded, in arrival order."""
 

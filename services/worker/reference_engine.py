@@ -8,6 +8,7 @@ round, so pause, sleep and weight loads slot in between rounds and never race a 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -17,6 +18,7 @@ import torch
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
 from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 
+from .changes import Changes
 from .engine import EngineStatus, ParamSpec
 from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 
@@ -139,7 +141,7 @@ class ReferenceEngine:
         self._waiting = 0
         self._paused = False
         self._pause_mode: PauseMode | None = None
-        self._changed = anyio.Event()
+        self._changes = Changes()
         self._sleeping: set[SleepTag] = set()
         self._sleep_level = 0
         self._weights_loaded = True
@@ -169,17 +171,9 @@ class ReferenceEngine:
 
     @property
     def num_params(self) -> int:
-        return sum(_numel(s.shape) for s in self.main.specs.values())
+        return sum(math.prod(s.shape) for s in self.main.specs.values())
 
     # ---- state -------------------------------------------------------------------------
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def _until(self, predicate) -> None:  # noqa: ANN001
-        while not predicate():
-            await self._changed.wait()
 
     def _parts(self) -> list[_Part]:
         return [self.main] + ([self.draft] if self.draft else [])
@@ -239,25 +233,25 @@ class ReferenceEngine:
             slot = self._slots.pop()
             req = _Request(next(self._ids))
             self._running[req.id] = req
-            self._notify()
+            self._changes.notify()
             try:
                 return await self._run(request, req, slot)
             finally:
                 del self._running[req.id]
                 self._slots.append(slot)
-                self._notify()
+                self._changes.notify()
 
     async def _wait_for_resume(self) -> None:
         """New requests wait for resume in every pause mode."""
         if not self._paused:
             return
         self._waiting += 1
-        self._notify()
+        self._changes.notify()
         try:
-            await self._until(lambda: not self._paused)
+            await self._changes.until(lambda: not self._paused)
         finally:
             self._waiting -= 1
-            self._notify()
+            self._changes.notify()
         self._refuse_if_unservable()
 
     async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateReply:
@@ -273,8 +267,8 @@ class ReferenceEngine:
                 break
             if self._paused and self._pause_mode == "keep":
                 req.frozen = True
-                self._notify()
-                await self._until(lambda: not self._paused or req.abort)
+                self._changes.notify()
+                await self._changes.until(lambda: not self._paused or req.abort)
                 req.frozen = False
                 continue
             async with self._model_lock:
@@ -364,18 +358,18 @@ class ReferenceEngine:
                 r.abort = True
         elif self._pause_mode is None:
             self._pause_mode = mode
-        self._notify()
+        self._changes.notify()
         if mode == "keep":
-            await self._until(lambda: all(r.frozen for r in self._running.values()))
+            await self._changes.until(lambda: all(r.frozen for r in self._running.values()))
         else:
-            await self._until(lambda: not self._running)
+            await self._changes.until(lambda: not self._running)
 
     async def resume(self) -> None:
         if not self._paused:
             return
         self._paused = False
         self._pause_mode = None
-        self._notify()
+        self._changes.notify()
 
     # ---- sleep / wake ------------------------------------------------------------------
 
@@ -403,7 +397,7 @@ class ReferenceEngine:
                     p.kv.free()
                 self._sleeping.add("kv_cache")
             self._sleep_level = max(self._sleep_level, level) if self._sleeping else 0
-        self._notify()
+        self._changes.notify()
 
     async def wake_up(self, tags: list[SleepTag]) -> None:
         async with self._model_lock:
@@ -418,7 +412,7 @@ class ReferenceEngine:
                 self._sleeping.discard("kv_cache")
             if not self._sleeping:
                 self._sleep_level = 0
-        self._notify()
+        self._changes.notify()
 
     # ---- weights -----------------------------------------------------------------------
 
@@ -456,11 +450,5 @@ class ReferenceEngine:
                     self.draft_stale = True
             elif covered:
                 self.draft_stale = False
-        self._notify()
+        self._changes.notify()
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

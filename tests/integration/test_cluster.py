@@ -9,16 +9,16 @@ Every killed node comes back (same port, same store) before the next test."""
 from __future__ import annotations
 
 import anyio
-import msgspec
 import nats
 import pytest
 
 import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster, NatsServer
-from rlbus.schemas import Commit, FleetEvent, Subjects, VersionInfo
+from rlbus.schemas import Commit, FleetEvent, Subjects
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+from tests.clusterfleet import Published
 from tests.fleet import fleet_running
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
@@ -60,29 +60,6 @@ async def _everyone_back(f, killed: NatsServer) -> None:  # noqa: ANN001
     await eventually(lambda: all(w.nc.is_connected for w in f.workers.values())
                      and all(w in f.controller.registry for w in f.workers), timeout=20,
                      what="every worker reconnected and registered")
-
-
-class Published:
-    """Every version event (or fleet event), as a subscriber on a node that stays up receives it."""
-
-    def __init__(self, node: NatsServer, subject: str, kind: type = VersionInfo) -> None:
-        self.node, self.subject, self.kind = node, subject, kind
-        self.seen: list = []
-
-    async def __aenter__(self) -> "Published":
-        decoder = msgspec.json.Decoder(self.kind)
-        self.nc = await nats.connect(self.node.url)
-
-        async def on(msg) -> None:  # noqa: ANN001
-            event = decoder.decode(msg.data)
-            self.seen.append(event.version if isinstance(event, VersionInfo) else event)
-
-        await self.nc.subscribe(self.subject, cb=on)
-        await self.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.nc.close()
 
 
 async def test_killing_the_controllers_node_loses_nothing(fleet, cluster):
@@ -141,7 +118,7 @@ async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_every
 
         monkeypatch.setattr(f.controller.fleet, "send", send_then_kill)
 
-    async with Published(watcher, rl.subjects.version) as published:
+    async with Published(watcher.url, rl.subjects.version) as published:
         try:
             with anyio.fail_after(60):
                 await rl.push_weights(named, version)
@@ -166,8 +143,8 @@ async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_every
         nxt = new_version(f"after-mid-push-{when}")
         with anyio.fail_after(60):
             await rl.push_weights(trained(85), nxt)
-        await eventually(lambda: nxt in published.seen, timeout=10, what="the next version published")
-        assert published.seen == ([version, nxt] if committed else [nxt]), "each commit published exactly once, in order"
+        await eventually(lambda: nxt in published.versions(), timeout=10, what="the next version published")
+        assert published.versions() == ([version, nxt] if committed else [nxt]), "each commit published exactly once, in order"
     info = await rl.get_weight_version_info()
     assert (info.version, info.seq) == (nxt, old.seq + 1 + committed)
     assert all(w.state.weight_version == nxt for w in (await rl.server_info()).workers)
@@ -185,7 +162,7 @@ async def test_a_worker_whose_node_is_killed_reconnects_and_is_reconciled(fleet,
     controllers = _node_of(cluster, f.controller.nc)
     nodes = [n for n in cluster.nodes if n is not controllers]
     async with Blackhole(nodes[0].port) as a, Blackhole(nodes[1].port) as b, \
-            Published(controllers, Subjects(prefix=prefix).event("worker_reconciled"), FleetEvent) as reconciled:
+            Published(controllers.url, Subjects(prefix=prefix).event("worker_reconciled"), FleetEvent) as reconciled:
         own = LocalFleet(f"{a.url},{b.url}")
         w = await own.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id="wx", subjects=rl.subjects, heartbeat_s=0.25,
                                                                          weight_transfer_backend="gloo"))

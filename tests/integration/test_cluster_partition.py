@@ -15,19 +15,18 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import anyio
-import msgspec
-import nats
 import pytest
 
 import rlbus
 from rlbus.bus.connection import connect, drain
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
-from rlbus.schemas import Subjects, VersionInfo
+from rlbus.schemas import Subjects
 from rlbus.sdk.client import RLClient
 from rlbus.services.controller.service import ControllerOptions, ControllerService
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+from tests.clusterfleet import Published
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, new_version, trained
@@ -66,31 +65,6 @@ async def net() -> AsyncIterator[Partitionable]:
         cluster.stop()
         for p in proxies.values():
             await p.__aexit__(None, None, None)
-
-
-class Published:
-    """Every version event a subscriber on one node receives (core NATS: only while connected there)."""
-
-    def __init__(self, url: str, subject: str) -> None:
-        self.url, self.subject = url, subject
-        self.seen: list[VersionInfo] = []
-
-    async def __aenter__(self) -> "Published":
-        decoder = msgspec.json.Decoder(VersionInfo)
-        self.nc = await nats.connect(self.url)
-
-        async def on(msg) -> None:  # noqa: ANN001
-            self.seen.append(decoder.decode(msg.data))
-
-        await self.nc.subscribe(self.subject, cb=on)
-        await self.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.nc.close()
-
-    def versions(self) -> list[str]:
-        return [v.version for v in self.seen]
 
 
 async def test_a_partitioned_leader_acts_on_nothing_and_the_standby_on_the_majority_leads(net, prefix):

@@ -9,15 +9,11 @@ import anyio
 import pytest
 
 import rlbus
-from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
-from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate, Subjects
-from rlbus.sdk.client import RLClient
-from rlbus.services.controller.service import ControllerOptions
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
+from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate
+from tests.clusterfleet import cluster_fleet
 from tests.waiting import eventually
-from tests.weights_helpers import MODEL, VersionEvents, assert_holds, new_version, trained
+from tests.weights_helpers import VersionEvents, assert_holds, new_version, trained
 
 WORKERS = ("w0", "w1")
 PATIENCE_S = 3.0
@@ -32,22 +28,10 @@ def cluster():  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 async def fleet(cluster, prefix):
-    subjects = Subjects(prefix=prefix)
-    f = LocalFleet(cluster.url)
-    await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10, liveness_timeout_s=3.0,
-                                               state_patience_s=PATIENCE_S))
-    for wid in WORKERS:
-        await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
-                                                                   weight_transfer_backend="gloo"))
-    await f.wait_for_workers(WORKERS)
-    assert f.controller is not None
     # the trainer sits on the controller's node: it survives the two kills with it
-    rl = await RLClient.connect(f"nats://127.0.0.1:{f.controller.nc.connected_url.port}", prefix=prefix, timeout=30.0)
-    try:
-        yield f, rl
-    finally:
-        await rl.close()
-        await f.close()
+    async with cluster_fleet(cluster, prefix, WORKERS, "gloo", trainer_timeout=30.0, trainer_on_controllers_node=True,
+                             command_timeout_s=10, liveness_timeout_s=3.0, state_patience_s=PATIENCE_S) as running:
+        yield running
 
 
 async def _has_leader(nc, stream: str) -> bool:  # noqa: ANN001

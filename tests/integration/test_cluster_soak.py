@@ -16,18 +16,14 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import anyio
-import msgspec
-import nats
 import pytest
 
 import rlbus
 from rlbus.runners.local import LocalFleet
-from rlbus.runners.natsserver import NatsCluster, NatsServer
-from rlbus.schemas import Commit, Subjects, VersionInfo
+from rlbus.runners.natsserver import NatsCluster
+from rlbus.schemas import Commit
 from rlbus.sdk.client import RLClient
-from rlbus.services.controller.service import ControllerOptions
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
+from tests.clusterfleet import Published, cluster_fleet
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, trained
 
@@ -35,6 +31,7 @@ SEED = 20261201
 WORKERS = ("c0", "c1", "c2")
 SCHEDULE = {"clean": 1, "between": 2, "sent": 2, "committed": 2}
 BUDGET_S = 75.0
+RECONNECT = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.2}
 
 
 @pytest.fixture(scope="module")
@@ -45,43 +42,9 @@ def cluster():  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 async def fleet(cluster, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
-    subjects = Subjects(prefix=prefix)
-    f = LocalFleet(cluster.url)
-    rl = None
-    try:
-        await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=5.0, liveness_timeout_s=2.0))
-        for wid in WORKERS:
-            await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
-                                                                       weight_transfer_backend="shm"))
-        await f.wait_for_workers(WORKERS)
-        rl = await RLClient.connect(cluster.url, prefix=prefix, timeout=60.0)
-        yield f, rl
-    finally:
-        if rl is not None:
-            await rl.close()
-        await f.close()
-
-
-class Published:
-    """Every version event a subscriber on one node receives (it reconnects to that node only)."""
-
-    def __init__(self, node: NatsServer, subject: str) -> None:
-        self.node, self.subject = node, subject
-        self.seen: list[VersionInfo] = []
-
-    async def __aenter__(self) -> "Published":
-        decoder = msgspec.json.Decoder(VersionInfo)
-        self.nc = await nats.connect(self.node.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-
-        async def on(msg) -> None:  # noqa: ANN001
-            self.seen.append(decoder.decode(msg.data))
-
-        await self.nc.subscribe(self.subject, cb=on)
-        await self.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.nc.close()
+    async with cluster_fleet(cluster, prefix, WORKERS, "shm", trainer_timeout=60.0, command_timeout_s=5.0,
+                             liveness_timeout_s=2.0) as running:
+        yield running
 
 
 async def _replicas_current(nc, stream: str) -> bool:  # noqa: ANN001
@@ -137,8 +100,10 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
             else:
                 assert w.state.weight_version == want, f"{w.worker_id} {where}"
 
-    async with Published(cluster.nodes[0], rl.subjects.version) as p0, Published(cluster.nodes[1], rl.subjects.version) as p1, \
-            Published(cluster.nodes[2], rl.subjects.version) as p2:
+    # each subscriber reconnects to its node only, for as long as it takes
+    async with Published(cluster.nodes[0].url, rl.subjects.version, **RECONNECT) as p0, \
+            Published(cluster.nodes[1].url, rl.subjects.version, **RECONNECT) as p1, \
+            Published(cluster.nodes[2].url, rl.subjects.version, **RECONNECT) as p2:
         for i, kind in enumerate(plan):
             seed, version = 2000 + i, f"csoak-{i}"
             await whole()

@@ -7,6 +7,7 @@ started once; tests that break the fleet's membership start a small fleet of the
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import pytest
 import torch
@@ -15,8 +16,8 @@ import rlbus
 from rlbus.models.tinylm import ModelConfig, TinyLM
 from rlbus.transfer.buckets import as_bytes
 from rlbus.transfer.checksum import checksum
-from tests.fleet import fleet_running, start_fleet
-from tests.weights_helpers import new_version, settle
+from tests.fleet import fleet_running, nccl_worker, start_fleet
+from tests.weights_helpers import new_version, settled  # noqa: F401 - the autouse fixture around every test
 
 BF16 = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, seed=0, dtype="bfloat16")
 DRAFT = msgspec.structs.replace(BF16, n_layers=1, seed=1000)
@@ -76,14 +77,6 @@ async def fleet(nats_server, prefix, config):
 def master() -> Master:
     """One master per module: each test continues the training (so every fleet keeps a base)."""
     return Master(BF16, lr=2e-5)
-
-
-@pytest.fixture(autouse=True)
-async def settled(request):
-    yield
-    if "fleet" in request.fixturenames:
-        _, rl = request.getfixturevalue("fleet")
-        await settle(rl)
 
 
 async def _push(rl, master: Master, **kw):  # noqa: ANN001, ANN202
@@ -287,42 +280,23 @@ async def test_a_late_joiner_refuses_the_delta_and_the_fleet_ends_consistent(nat
 
 @pytest.mark.gpu
 async def test_delta_pushes_over_nccl_are_verified_by_every_worker(nats_server, prefix):
-    # NCCL refuses two ranks on one GPU: the worker process takes the last GPU.
-    import os
-    import subprocess
-    import sys
-
-    import anyio
-
     if torch.cuda.device_count() < 2:
         pytest.skip("nccl needs the trainer and the worker on different GPUs")
     p = prefix + "nccl"
     f, rl = await start_fleet(nats_server.url, p, [], model=BF16)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(torch.cuda.device_count() - 1), PYTHONUNBUFFERED="1")
-    flags = ["--vocab-size", str(BF16.vocab_size), "--d-model", str(BF16.d_model), "--n-layers", str(BF16.n_layers),
-             "--n-heads", str(BF16.n_heads), "--max-seq-len", str(BF16.max_seq_len), "--seed", str(BF16.seed),
-             "--dtype", "bfloat16"]
-    proc = subprocess.Popen([sys.executable, "-m", "rlbus", "worker", "--nats-url", nats_server.url, "--id", "gpu0",
-                             "--prefix", p, "--weight-transfer-backend", "nccl", "--heartbeat", "0.25", *flags],
-                            env=env, start_new_session=True)
     try:
-        with anyio.fail_after(90):
-            await f.wait_for_workers(["gpu0"])
-        torch.cuda.set_device(0)
-        await rl.init_weight_transfer("nccl", timeout_s=60)
-        m = Master(BF16, lr=2e-5, seed=3)
-        for k in range(3):
-            m.step()
-            named = [(n, t.to("cuda:0")) for n, t in m.served()]
-            await rl.push_weights(named, new_version("nccl-delta"), delta=True)
-            # a committed delta is one every worker hashed bit-identical to the trainer's result
-            assert rl.last_push.committed and rl.last_push.delta == (k > 0)
+        with nccl_worker(nats_server.url, p, "gpu0", BF16, "--dtype", "bfloat16"):
+            with anyio.fail_after(90):
+                await f.wait_for_workers(["gpu0"])
+            torch.cuda.set_device(0)
+            await rl.init_weight_transfer("nccl", timeout_s=60)
+            m = Master(BF16, lr=2e-5, seed=3)
+            for k in range(3):
+                m.step()
+                named = [(n, t.to("cuda:0")) for n, t in m.served()]
+                await rl.push_weights(named, new_version("nccl-delta"), delta=True)
+                # a committed delta is one every worker hashed bit-identical to the trainer's result
+                assert rl.last_push.committed and rl.last_push.delta == (k > 0)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         await rl.close()
         await f.close()

@@ -9,8 +9,6 @@ a small fleet of their own under a prefix of their own.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import anyio
@@ -23,7 +21,7 @@ from rlbus.services.controller.service import ControllerOptions
 from rlbus.models.tinylm import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
-from tests.fleet import fleet_running, start_fleet
+from tests.fleet import fleet_running, nccl_worker, start_fleet
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,
@@ -41,7 +39,7 @@ from tests.weights_helpers import (
     new_version,
     received_everything,
     send_corrupted,
-    settle,
+    settled,  # noqa: F401 - the autouse fixture around every test
     snapshot,
     tokens_of,
     trained,
@@ -66,15 +64,6 @@ async def fleet(nats_server, prefix, backend):
 over_one_backend = pytest.mark.parametrize("backend", ["gloo"], indirect=True)
 """A control-plane rule: the transport under the session does not change it."""
 only_over_shm = pytest.mark.parametrize("backend", ["shm"], indirect=True)
-
-
-@pytest.fixture(autouse=True)
-async def settled(request):
-    """Every test leaves the module's fleet with no session, awake and resumed."""
-    yield
-    if "fleet" in request.fixturenames:
-        _, rl = request.getfixturevalue("fleet")
-        await settle(rl)
 
 
 async def _own_fleet(nats_server, prefix: str, **kw):  # noqa: ANN001, ANN202
@@ -552,40 +541,24 @@ async def test_committed_version_survives_a_controller_restart(nats_server, pref
 
 # ---- nccl (GPU machines only) --------------------------------------------------------------
 
-_WORKER_FLAGS = ["--vocab-size", str(MODEL.vocab_size), "--d-model", str(MODEL.d_model), "--n-layers", str(MODEL.n_layers),
-                 "--n-heads", str(MODEL.n_heads), "--max-seq-len", str(MODEL.max_seq_len), "--seed", str(MODEL.seed)]
-
-
 @pytest.mark.gpu
 async def test_push_weights_over_nccl_reaches_a_worker_process(nats_server, prefix):
-    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): the worker takes the last GPU.
     if torch.cuda.device_count() < 2:
         pytest.skip("nccl needs the trainer and the worker on different GPUs")
     p = prefix + "nccl"
     f, rl = await _own_fleet(nats_server, p, worker_ids=[])
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(torch.cuda.device_count() - 1), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlbus", "worker", "--nats-url", nats_server.url, "--id", "gpu0", "--prefix", p,
-         "--weight-transfer-backend", "nccl", "--heartbeat", "0.25", *_WORKER_FLAGS],
-        env=env, start_new_session=True,
-    )
     try:
-        with anyio.fail_after(90):
-            await f.wait_for_workers(["gpu0"])
-        torch.cuda.set_device(0)
-        named = [(n, t.to("cuda:0")) for n, t in trained(131)]
-        version = new_version("nccl")
-        await rl.init_weight_transfer("nccl", timeout_s=60)
-        ack = await rl.push_weights(named, version)
-        assert ack.weight_version == version
-        replies = await generate_all(rl)
-        assert tokens_of(replies) == greedy([(n, t.cpu()) for n, t in named])
-        assert all(r.weight_version == version and r.worker_id == "gpu0" for r in replies)
+        with nccl_worker(nats_server.url, p, "gpu0", MODEL):
+            with anyio.fail_after(90):
+                await f.wait_for_workers(["gpu0"])
+            torch.cuda.set_device(0)
+            named = [(n, t.to("cuda:0")) for n, t in trained(131)]
+            version = new_version("nccl")
+            await rl.init_weight_transfer("nccl", timeout_s=60)
+            ack = await rl.push_weights(named, version)
+            assert ack.weight_version == version
+            replies = await generate_all(rl)
+            assert tokens_of(replies) == greedy([(n, t.cpu()) for n, t in named])
+            assert all(r.weight_version == version and r.worker_id == "gpu0" for r in replies)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         await _close(f, rl)

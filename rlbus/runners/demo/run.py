@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import anyio
 import msgspec
 
 from rlbus.runners.launcher import Fleet, embedded_or
 from rlbus.models.tinylm import ModelConfig
 
+from .common import reward_summary, serve_progress
 from .report import write_log, write_plot
 from .trainer import DemoConfig, StepLog, Trainer
 
@@ -41,7 +41,6 @@ def run_demo(
     max_staleness: int, async_rollouts: bool, spawn: bool = True, delta: bool = True, dtype: str = "bfloat16",
 ) -> list[StepLog]:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
     model = ModelConfig(seed=seed, dtype=dtype)  # type: ignore[arg-type]
@@ -62,40 +61,19 @@ def run_demo(
         else:
             console.print(f"[bold]rlbus demo[/]: NATS {url}; waiting for a running controller and {workers} workers")
 
-        async def main() -> None:
-            rl = await fleet.wait_ready()
-            rl.timeout = 60.0
-            try:
-                info = await rl.server_info()
-                console.print(
-                    f"fleet ready: {[w.worker_id for w in info.workers]}, backend {info.capabilities.weight_transfer_backend}, "
-                    f"draft {info.capabilities.has_draft_model}"
-                )
-                with Progress(
-                    TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=12), TextColumn("{task.fields[stats]}"),
-                    TimeElapsedColumn(), console=console,
-                ) as bar:
-                    task = bar.add_task("train", total=steps, stats="")
+        def progress_line(g: StepLog) -> str:
+            acc = f" acc {g.acceptance:.0%}" if g.acceptance is not None else ""
+            changed = f" chg {g.changed_fraction:.0%}" if g.changed_fraction is not None else " dense"
+            return (f"rew {g.reward:.2f}/{g.eval_reward:.2f} {g.version} "
+                    f"sync {g.sync_s * 1000:.0f}ms {_kib(g.bytes_pushed)}/{_kib(g.bytes_dense)}{changed}{acc} "
+                    f"drop {g.dropped}")
 
-                    def on_step(g: StepLog) -> None:
-                        acc = f" acc {g.acceptance:.0%}" if g.acceptance is not None else ""
-                        changed = f" chg {g.changed_fraction:.0%}" if g.changed_fraction is not None else " dense"
-                        bar.update(
-                            task, advance=1,
-                            stats=f"rew {g.reward:.2f}/{g.eval_reward:.2f} {g.version} "
-                                  f"sync {g.sync_s * 1000:.0f}ms {_kib(g.bytes_pushed)}/{_kib(g.bytes_dense)}{changed}{acc} "
-                                  f"drop {g.dropped}",
-                        )
-
-                    trainer = Trainer(rl, cfg, on_step=on_step)
-                    logs.extend(await trainer.run())
-                final = await rl.server_info()
-                console.print(f"committed version {final.weight_version}, draft {final.draft_version}")
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await rl.close()
-
-        anyio.run(main)
+        serve_progress(
+            fleet, console, steps, t0, ready_timeout=None, rpc_timeout=60.0, logs=logs, stats=progress_line,
+            describe=lambda info: (f"fleet ready: {[w.worker_id for w in info.workers]}, "
+                                   f"backend {info.capabilities.weight_transfer_backend}, draft {info.capabilities.has_draft_model}"),
+            train=lambda rl, on_step: Trainer(rl, cfg, on_step=on_step).run(),
+        )
     finally:
         if logs:
             meta = {
@@ -108,14 +86,7 @@ def run_demo(
         fleet.stop()
         if server is not None:
             server.stop()
-    k = max(1, len(logs) // 5)
-    first = sum(g.reward for g in logs[:k]) / k
-    last = sum(g.reward for g in logs[-k:]) / k
-    syncs = sorted(g.sync_s for g in logs)
-    console.print(
-        f"[bold]done[/] in {time.monotonic() - t0:.0f} s: reward {first:.2f} -> {last:.2f} (first/last {k} steps), "
-        f"median sync {syncs[len(syncs) // 2] * 1000:.0f} ms, dropped {sum(g.dropped for g in logs)} stale rollouts"
-    )
+    console.print(f"{reward_summary(logs, t0)}, dropped {sum(g.dropped for g in logs)} stale rollouts")
     if logs:
         sent, dense = sum(g.bytes_pushed for g in logs), sum(g.bytes_dense for g in logs)
         fractions = [g.changed_fraction for g in logs if g.changed_fraction is not None]

@@ -19,37 +19,24 @@ from dataclasses import dataclass, field
 import anyio
 import msgspec
 import torch
-import torch.nn.functional as F
 
 from rlbus.sdk.client import RLClient
 from rlbus.schemas import GenerateReply
 from rlbus.models.tinylm import ModelConfig, TinyLM
 
-from .task import Task, split_by_staleness
+from .common import GrpoConfig, Request, distill, evaluate, generate, grpo_step, mean_reward, regenerate_stale, requests
 
 
-class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
+class DemoConfig(GrpoConfig, frozen=True, kw_only=True):
     steps: int = 40
-    seed: int = 0
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 4
-    eval_prompts: int = 6
-    lr: float = 3e-3
-    clip: float = 0.2
     max_staleness: int = 1
-    """Drop rollouts more than this many versions older than the trainer (0 = on-policy)."""
     async_rollouts: bool = True
     """Generate the next step's rollouts while this step trains (they are one version old)."""
-    draft: bool = True
-    draft_every: int = 4
-    """Push the distilled draft every this many steps."""
-    draft_distill_steps: int = 2
     delta: bool = True
     """Push deltas (only the served elements whose bits changed) instead of dense weights."""
     model: ModelConfig = ModelConfig()
     """What the workers serve (its dtype is the served dtype; the trainer keeps float32)."""
     draft_model: ModelConfig | None = None
-    task: Task = Task()
 
 
 class StepLog(msgspec.Struct, kw_only=True):
@@ -105,74 +92,20 @@ class Trainer:
 
     # ---- rollouts ---------------------------------------------------------------------
 
-    def _requests(self) -> list[tuple[list[int], int]]:
-        prompts = self.cfg.task.prompts(self.rng, self.cfg.prompts_per_step)
-        return [(p, self.rng.randrange(2**31)) for p in prompts for _ in range(self.cfg.samples_per_prompt)]
+    def _requests(self) -> list[Request]:
+        return requests(self.cfg.task, self.rng, self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
 
-    async def _generate(self, requests: list[tuple[list[int], int]]) -> list[GenerateReply]:
-        out: list[GenerateReply | None] = [None] * len(requests)
-
-        async def one(i: int, prompt: list[int], seed: int) -> None:
-            out[i] = await self.rl.generate(
-                prompt, self.cfg.task.response_len, temperature=1.0, seed=seed, return_logprobs=True
-            )
-
-        async with anyio.create_task_group() as tg:
-            for i, (p, s) in enumerate(requests):
-                tg.start_soon(one, i, p, s)
-        return out  # type: ignore[return-value]
+    async def _generate(self, reqs: list[Request]) -> list[GenerateReply]:
+        return await generate(self.rl, self.cfg.task, reqs)
 
     # ---- learning ---------------------------------------------------------------------
 
     def _train(self, prompts: list[list[int]], replies: list[GenerateReply]) -> float:
-        task = self.cfg.task
-        rewards = torch.tensor([task.reward(r.tokens) for r in replies])
-        g = self.cfg.samples_per_prompt
-        adv = torch.zeros_like(rewards)
-        for i in range(0, len(replies), g):  # group-normalised advantages (GRPO)
-            grp = rewards[i : i + g]
-            adv[i : i + g] = (grp - grp.mean()) / (grp.std(unbiased=False) + 1e-4)
-        self.opt.zero_grad()
-        total = torch.zeros(())
-        teacher: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for prompt, reply, a in zip(prompts, replies, adv):
-            seq = torch.tensor(prompt + reply.tokens, dtype=torch.long)
-            logits = self.policy(seq[:-1])[len(prompt) - 1 :]
-            logp = torch.log_softmax(logits, dim=-1).gather(1, seq[len(prompt) :, None]).squeeze(1)
-            behaviour = torch.tensor(reply.logprobs or [0.0] * len(reply.tokens))
-            ratio = torch.exp(logp - behaviour)
-            obj = torch.minimum(ratio * a, ratio.clamp(1 - self.cfg.clip, 1 + self.cfg.clip) * a)
-            total = total - obj.mean() / len(replies)
-            teacher.append((seq[:-1], logits.detach()))
-        total.backward()
-        self.opt.step()
-        self._distill(teacher, prompts)
-        return float(total.detach())
-
-    def _distill(self, teacher: list[tuple[torch.Tensor, torch.Tensor]], prompts: list[list[int]]) -> None:
-        """Keep the draft close to the policy: forward KL to the policy's next-token distribution."""
-        if self.draft is None:
-            return
-        for _ in range(self.cfg.draft_distill_steps):
-            self.draft_opt.zero_grad()
-            loss = torch.zeros(())
-            for (inp, t_logits), prompt in zip(teacher, prompts):
-                d_logits = self.draft(inp)[len(prompt) - 1 :]
-                loss = loss + F.kl_div(
-                    torch.log_softmax(d_logits, -1), torch.log_softmax(t_logits, -1), log_target=True, reduction="batchmean"
-                )
-            (loss / len(teacher)).backward()
-            self.draft_opt.step()
-
-    async def _evaluate(self) -> tuple[float, float | None]:
-        proposed = accepted = 0
-        rewards = []
-        for p in self.eval_prompts:
-            r = await self.rl.generate(p, self.cfg.task.response_len)
-            rewards.append(self.cfg.task.reward(r.tokens))
-            proposed += r.proposed
-            accepted += r.accepted
-        return sum(rewards) / len(rewards), (accepted / proposed if proposed else None)
+        loss, teacher = grpo_step(self.policy, self.opt, self.cfg.task, self.cfg.samples_per_prompt, self.cfg.clip,
+                                  prompts, replies)
+        if self.draft is not None:
+            distill(self.draft, self.draft_opt, teacher, self.cfg.draft_distill_steps)
+        return loss
 
     def served(self, model: TinyLM) -> list[tuple[str, torch.Tensor]]:
         """The master weights as the workers serve them."""
@@ -182,26 +115,20 @@ class Trainer:
 
     async def run(self) -> list[StepLog]:
         t0 = time.monotonic()
-        ahead: tuple[list[tuple[list[int], int]], list[GenerateReply]] | None = None
+        ahead: tuple[list[Request], list[GenerateReply]] | None = None
         for step in range(1, self.cfg.steps + 1):
             if ahead is None:
                 reqs = self._requests()
                 ahead = (reqs, await self._generate(reqs))
             reqs, replies = ahead
             ahead = None
-            # the trainer's weights are version step-(step-1)
-            fresh, dropped = split_by_staleness(replies, step - 1, self.cfg.max_staleness)
-            regenerated = 0
-            if dropped:  # too old for the trainer: generate again on the current weights
-                keep = {id(r) for r in fresh}
-                redo = [q for q, r in zip(reqs, replies) if id(r) not in keep]
-                again = await self._generate(redo)
-                regenerated = len(again)
-                it = iter(again)
-                replies = [r if id(r) in keep else next(it) for r in replies]
+            # the trainer's weights are version step-(step-1); too old: generate again on the current weights
+            replies, fresh, dropped, regenerated = await regenerate_stale(
+                replies, reqs, step - 1, self.cfg.max_staleness, self._generate
+            )
             self.dropped_total += len(dropped)
 
-            next_reqs: list[tuple[list[int], int]] = []
+            next_reqs: list[Request] = []
             next_out: list[GenerateReply] = []
             async with anyio.create_task_group() as tg:
                 if self.cfg.async_rollouts and step < self.cfg.steps:
@@ -228,10 +155,10 @@ class Trainer:
                 pushed += self.rl.last_push.bytes_sent
                 dense += self.rl.last_push.bytes_dense
             sync_s = time.monotonic() - t
-            eval_reward, acceptance = await self._evaluate()
+            eval_reward, acceptance = await evaluate(self.rl, self.cfg.task, self.eval_prompts)
             log = StepLog(
                 step=step, version=version,
-                reward=sum(self.cfg.task.reward(r.tokens) for r in replies) / len(replies),
+                reward=mean_reward(self.cfg.task, replies),
                 eval_reward=eval_reward, kept=len(fresh), dropped=len(dropped), regenerated=regenerated,
                 sync_s=sync_s, bytes_pushed=pushed, bytes_dense=dense, changed_fraction=main.changed_fraction if main.delta else None,
                 delta=main.delta, fallback=main.fallback, acceptance=acceptance, draft_version=self.draft_version,

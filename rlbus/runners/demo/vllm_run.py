@@ -7,10 +7,9 @@ import os
 import time
 from pathlib import Path
 
-import anyio
-
 from rlbus.runners.launcher import Fleet, embedded_or
 
+from .common import reward_summary, serve_progress
 from .hf_trainer import HfDemoConfig, HfStepLog, HfTrainer, write_models
 from .report import write_log, write_plot
 
@@ -30,7 +29,6 @@ def run_vllm_demo(
     *, workers: int, steps: int, out: Path, nats_url: str | None, draft: bool, backend: str, seed: int, spawn: bool = True,
 ) -> list[HfStepLog]:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
     cfg = HfDemoConfig(steps=steps, seed=seed, draft=draft)
@@ -48,32 +46,17 @@ def run_vllm_demo(
                           f"{workers} vLLM workers (tens of seconds each)")
             fleet.start()
 
-        async def main() -> None:
-            rl = await fleet.wait_ready(timeout=VLLM_START_TIMEOUT_S)
-            rl.timeout = 120.0
-            try:
-                info = await rl.server_info()
-                console.print(f"fleet ready in {time.monotonic() - t0:.0f} s: {[w.worker_id for w in info.workers]}, model "
-                              f"{info.capabilities.model_name}, backend {info.capabilities.weight_transfer_backend}, "
-                              f"draft {info.capabilities.has_draft_model}")
-                with Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=12),
-                              TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console) as bar:
-                    task = bar.add_task("train", total=steps, stats="")
+        def progress_line(g: HfStepLog) -> str:
+            acc = f" acc {g.acceptance:.0%}" if g.acceptance is not None else ""
+            return f"rew {g.reward:.2f}/{g.eval_reward:.2f} {g.version} sync {g.sync_s * 1000:.0f}ms {g.bytes_pushed / 2**20:.2f}MiB{acc}"
 
-                    def on_step(g: HfStepLog) -> None:
-                        acc = f" acc {g.acceptance:.0%}" if g.acceptance is not None else ""
-                        bar.update(task, advance=1, stats=f"rew {g.reward:.2f}/{g.eval_reward:.2f} {g.version} "
-                                                          f"sync {g.sync_s * 1000:.0f}ms {g.bytes_pushed / 2**20:.2f}MiB{acc}")
-
-                    trainer = HfTrainer(rl, cfg, policy_dir, draft_dir, on_step=on_step)
-                    logs.extend(await trainer.run())
-                final = await rl.server_info()
-                console.print(f"committed version {final.weight_version}, draft {final.draft_version}")
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await rl.close()
-
-        anyio.run(main)
+        serve_progress(
+            fleet, console, steps, t0, ready_timeout=VLLM_START_TIMEOUT_S, rpc_timeout=120.0, logs=logs, stats=progress_line,
+            describe=lambda info: (f"fleet ready in {time.monotonic() - t0:.0f} s: {[w.worker_id for w in info.workers]}, model "
+                                   f"{info.capabilities.model_name}, backend {info.capabilities.weight_transfer_backend}, "
+                                   f"draft {info.capabilities.has_draft_model}"),
+            train=lambda rl, on_step: HfTrainer(rl, cfg, policy_dir, draft_dir, on_step=on_step).run(),
+        )
     finally:
         if logs:
             meta = {"engine": "vllm", "workers": workers, "steps": steps, "seed": seed, "backend": backend, "draft": draft,
@@ -83,11 +66,6 @@ def run_vllm_demo(
         fleet.stop()
         if server is not None:
             server.stop()
-    k = max(1, len(logs) // 5)
-    first = sum(g.reward for g in logs[:k]) / k
-    last = sum(g.reward for g in logs[-k:]) / k
-    syncs = sorted(g.sync_s for g in logs)
-    console.print(f"[bold]done[/] in {time.monotonic() - t0:.0f} s: reward {first:.2f} -> {last:.2f} (first/last {k} steps), "
-                  f"median sync {syncs[len(syncs) // 2] * 1000:.0f} ms")
+    console.print(reward_summary(logs, t0))
     console.print(f"wrote {out / 'log.json'} and {out / 'plot.png'}")
     return logs

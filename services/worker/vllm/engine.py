@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import tempfile
 import uuid
@@ -37,6 +38,7 @@ import torch
 from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
 
+from ..changes import Changes
 from ..engine import EngineStatus, ParamSpec
 from . import checkpoint
 from .plugin import BACKEND
@@ -152,7 +154,7 @@ class VllmEngine:
         self._sleep_level = 0
         self._discarded = False
         """A level-2 sleep discarded vLLM's weights; generation is refused until a load."""
-        self._changed = anyio.Event()
+        self._changes = Changes()
         self._load_lock = anyio.Lock()
         self._restart: asyncio.Task[None] | None = None
         self.restarts = 0
@@ -215,15 +217,7 @@ class VllmEngine:
 
     @property
     def num_params(self) -> int:
-        return sum(_numel(s.shape) for s in self.main.specs.values())
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def _until(self, predicate) -> None:  # noqa: ANN001
-        while not predicate():
-            await self._changed.wait()
+        return sum(math.prod(s.shape) for s in self.main.specs.values())
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -272,22 +266,22 @@ class VllmEngine:
         self._refuse_if_unservable()
         if self._paused or self._loading:  # new requests wait for resume in every pause mode
             self._gate_waiting += 1
-            self._notify()
+            self._changes.notify()
             try:
-                await self._until(lambda: not self._paused and not self._loading)
+                await self._changes.until(lambda: not self._paused and not self._loading)
             finally:
                 self._gate_waiting -= 1
-                self._notify()
+                self._changes.notify()
             self._refuse_if_unservable()
         await self._sync_vllm_version()
         req = _Request()
         self._requests.add(req)
-        self._notify()
+        self._changes.notify()
         try:
             out = await self._run(request, req)
         finally:
             self._requests.discard(req)
-            self._notify()
+            self._changes.notify()
         version, seq, draft_version = req.stamp
         completion = out.outputs[0]
         tokens = list(completion.token_ids)[: request.max_tokens]
@@ -335,7 +329,7 @@ class VllmEngine:
                     # held now. A request vLLM queued behind a pause (and a load) starts later.
                     req.started = True
                     req.stamp = (self.weight_version, self.weight_seq, self.draft_version)
-                    self._notify()
+                    self._changes.notify()
                 final = out
         except EngineDeadError:
             raise Unavailable("vLLM's engine died on this worker; retry on another worker") from None
@@ -371,13 +365,13 @@ class VllmEngine:
         self._paused = True
         if mode == "abort" or self._pause_mode is None:
             self._pause_mode = mode
-        self._notify()
+        self._changes.notify()
         if isinstance(self.llm, _NotStarted):
             return  # restarting: nothing is in flight
         # clear_cache=False: keep mode must keep the frozen requests' KV cache
         await self.llm.pause_generation(mode=mode, clear_cache=False)
         if mode != "keep":
-            await self._until(lambda: self.decoding() == 0)  # vLLM drained them; their replies are on their way
+            await self._changes.until(lambda: self.decoding() == 0)  # vLLM drained them; their replies are on their way
 
     async def resume(self) -> None:
         if not self._paused:
@@ -386,7 +380,7 @@ class VllmEngine:
             await self.llm.resume_generation()
         self._paused = False
         self._pause_mode = None
-        self._notify()
+        self._changes.notify()
 
     # ---- sleep / wake ------------------------------------------------------------------
 
@@ -405,7 +399,7 @@ class VllmEngine:
         await self.llm.sleep(level)
         self._sleeping |= set(SLEEP_TAGS)
         self._sleep_level = level
-        self._notify()
+        self._changes.notify()
 
     async def wake_up(self, tags: list[SleepTag]) -> None:
         todo = [t for t in tags if t in self._sleeping]
@@ -417,7 +411,7 @@ class VllmEngine:
         self._sleeping -= set(todo)
         if not self._sleeping:
             self._sleep_level = 0
-        self._notify()
+        self._changes.notify()
 
     # ---- weights -----------------------------------------------------------------------
 
@@ -460,14 +454,14 @@ class VllmEngine:
         part = self._part(target)
         async with self._load_lock:
             if self.dirty:
-                await self._until(lambda: not self.dirty)  # a restart is bringing vLLM back
+                await self._changes.until(lambda: not self.dirty)  # a restart is bringing vLLM back
             path = Path(STAGING_DIR) / f"rlbus-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
             await anyio.to_thread.run_sync(checkpoint.write_tensors, path, merged)
             self._loading = True
-            self._notify()
+            self._changes.notify()
             try:
                 if self._pause_mode != "keep":
-                    await self._until(lambda: self._busy() == 0)
+                    await self._changes.until(lambda: self._busy() == 0)
                 self.loads += 1
                 info: dict[str, Any] = {"path": str(path), "names": list(merged)}
                 if self.fail_next_load_after is not None:
@@ -488,7 +482,7 @@ class VllmEngine:
                     ) from None
             finally:
                 self._loading = False
-                self._notify()
+                self._changes.notify()
                 path.unlink(missing_ok=True)
             if target == "main":
                 self._discarded = False
@@ -502,7 +496,7 @@ class VllmEngine:
         committed weights (kept here), in the background."""
         log.error("vLLM failed a weight load (%s); restarting it from the committed weights (%s)", error, self.weight_version)
         self.dirty = True
-        self._notify()
+        self._changes.notify()
         if self._restart is None or self._restart.done():
             self._restart = asyncio.get_running_loop().create_task(self._recover())
 
@@ -535,11 +529,11 @@ class VllmEngine:
             import shutil
 
             shutil.rmtree(folder, ignore_errors=True)
-            self._notify()
+            self._changes.notify()
 
     async def wait_recovered(self) -> None:
         """Return once no restart is pending (tests, and callers that want to wait instead of retrying)."""
-        await self._until(lambda: not self.dirty)
+        await self._changes.until(lambda: not self.dirty)
 
 
 def _mismatches(specs: Mapping[str, ParamSpec], tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -554,9 +548,3 @@ def _mismatches(specs: Mapping[str, ParamSpec], tensors: Mapping[str, torch.Tens
             problems.append(f"{name} (shape {list(t.shape)}, checkpoint has {list(spec.shape)})")
     return problems
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

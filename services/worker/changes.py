@@ -1,0 +1,23 @@
+"""Engine state changes as one condition: whoever changes the state notifies, and every waiter
+re-checks its own predicate (paused, drained, restarted), so no waiter needs its own event."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+
+
+class Changes:
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        """The state changed: wake every waiter to re-check."""
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        """Return once predicate() holds (checked now and after every notify)."""
+        while not predicate():
+            await self._event.wait()

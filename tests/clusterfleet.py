@@ -1,0 +1,73 @@
+"""Helpers of the cluster tests (a real 3-node NATS cluster on loopback): an in-process fleet
+on the cluster, and a subscriber on one node that records what it receives."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import msgspec
+import nats
+
+from rlbus.runners.local import LocalFleet
+from rlbus.runners.natsserver import NatsCluster
+from rlbus.schemas import Subjects, VersionInfo
+from rlbus.sdk.client import RLClient
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
+from tests.weights_helpers import MODEL
+
+
+@asynccontextmanager
+async def cluster_fleet(
+    cluster: NatsCluster, prefix: str, workers: Sequence[str], backend: str, *, trainer_timeout: float,
+    trainer_on_controllers_node: bool = False, **controller_kw: float,
+) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
+    """A controller (ControllerOptions(**controller_kw)) and `workers` serving MODEL over
+    `backend`, all given every node's URL, and a trainer's client: given every node too, or
+    only the controller's node (`trainer_on_controllers_node`). Everything is closed after."""
+    subjects = Subjects(prefix=prefix)
+    f = LocalFleet(cluster.url)
+    rl = None
+    try:
+        await f.start_controller(ControllerOptions(subjects=subjects, **controller_kw))  # type: ignore[arg-type]
+        for wid in workers:
+            await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
+                                                                       weight_transfer_backend=backend))
+        await f.wait_for_workers(workers)
+        assert f.controller is not None
+        url = f"nats://127.0.0.1:{f.controller.nc.connected_url.port}" if trainer_on_controllers_node else cluster.url
+        rl = await RLClient.connect(url, prefix=prefix, timeout=trainer_timeout)
+        yield f, rl
+    finally:
+        if rl is not None:
+            await rl.close()
+        await f.close()
+
+
+class Published:
+    """Every event on `subject` (a VersionInfo, or `kind`), decoded, as a subscriber connected
+    to `url` receives it (nats.connect(**connect_kw): by default core NATS gives up on a node
+    that stays away)."""
+
+    def __init__(self, url: str, subject: str, kind: type = VersionInfo, **connect_kw: object) -> None:
+        self.url, self.subject, self.kind, self.connect_kw = url, subject, kind, connect_kw
+        self.seen: list = []
+
+    async def __aenter__(self) -> "Published":
+        decoder = msgspec.json.Decoder(self.kind)
+        self.nc = await nats.connect(self.url, **self.connect_kw)  # type: ignore[arg-type]
+
+        async def on(msg) -> None:  # noqa: ANN001
+            self.seen.append(decoder.decode(msg.data))
+
+        await self.nc.subscribe(self.subject, cb=on)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+    def versions(self) -> list[str]:
+        return [v.version for v in self.seen]
