@@ -46,6 +46,10 @@ def test_the_vllm_demo_commits_every_step_and_the_draft(demo_run):
 
 
 def test_the_vllm_demo_reward_rises(demo_run):
+    """The greedy (eval) reward, decoded by vLLM on the pushed weights: the sampled reward of 8
+    small batches is too noisy to rank (a CI run saw 0.15, 0.19, 0.04 after 0.09, 0.09, 0.10
+    while the greedy reward went 0.08 -> 1.0)."""
     _, out = demo_run
-    rewards = [s["reward"] for s in json.loads((out / "log.json").read_text())["steps"]]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
+    steps = json.loads((out / "log.json").read_text())["steps"]
+    greedy = [s["eval_reward"] for s in steps]
+    assert sum(greedy[-3:]) / 3 > sum(greedy[:3]) / 3 + 0.05, (greedy, [s["reward"] for s in steps])
