@@ -13,6 +13,7 @@ import msgspec
 import torch
 
 from rlbus.schemas import GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas.errors import InvalidArgument
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,3 +89,20 @@ class Engine(Protocol):
     ) -> None:
         """Copy tensors into the model between forward steps. `written`: parameters already
         written in place (in_place mode); together they may complete a level-2 reload."""
+
+
+def check_generate_request(req: GenerateRequest, *, vocab_size: int, max_len: int, max_len_name: str) -> None:
+    """Refuse (INVALID_ARGUMENT) a request no engine can serve, before it takes a slot."""
+    if not req.prompt_tokens:
+        raise InvalidArgument("prompt_tokens is empty")
+    bad = [t for t in req.prompt_tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if req.max_tokens < 1:
+        raise InvalidArgument("max_tokens must be >= 1")
+    if len(req.prompt_tokens) + req.max_tokens > max_len:
+        raise InvalidArgument(
+            f"prompt ({len(req.prompt_tokens)}) + max_tokens ({req.max_tokens}) exceeds {max_len_name} {max_len}"
+        )
+    if not req.temperature >= 0:
+        raise InvalidArgument("temperature must be >= 0")

@@ -19,7 +19,7 @@ from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
 from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 
 from .changes import Changes
-from .engine import EngineStatus, ParamSpec
+from .engine import EngineStatus, ParamSpec, check_generate_request
 from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 
 StaleDraftPolicy = Literal["keep", "disable"]
@@ -209,20 +209,7 @@ class ReferenceEngine:
 
     def _check_request(self, req: GenerateRequest) -> None:
         cfg = self.config
-        if not req.prompt_tokens:
-            raise InvalidArgument("prompt_tokens is empty")
-        bad = [t for t in req.prompt_tokens if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
-        if req.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
-        if len(req.prompt_tokens) + req.max_tokens > cfg.max_seq_len:
-            raise InvalidArgument(
-                f"prompt ({len(req.prompt_tokens)}) + max_tokens ({req.max_tokens}) exceeds "
-                f"the model's max_seq_len {cfg.max_seq_len}"
-            )
-        if not req.temperature >= 0:
-            raise InvalidArgument("temperature must be >= 0")
+        check_generate_request(req, vocab_size=cfg.vocab_size, max_len=cfg.max_seq_len, max_len_name="the model's max_seq_len")
 
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         self._check_request(request)

@@ -303,6 +303,18 @@ async def test_pause_keep_freezes_requests_and_resume_completes_them_with_identi
     assert all(r.finish_reason == "length" for r in replies)
 
 
+async def test_a_request_vllm_cannot_serve_is_refused_before_it_reaches_vllm(fleet):
+    """Token ids outside the vocabulary, more tokens than vLLM's max_model_len, an empty prompt:
+    INVALID_ARGUMENT from rlbus's own check (vLLM would fail the request, or its engine)."""
+    _, _, engines = fleet
+    e = engines["v0"]
+    for bad in (GenerateRequest(prompt_tokens=[1, e.vocab_size], max_tokens=4),
+                GenerateRequest(prompt_tokens=[1, 2], max_tokens=e.max_model_len),
+                GenerateRequest(prompt_tokens=[], max_tokens=4)):
+        with pytest.raises(InvalidArgument):
+            await e.generate(bad)
+
+
 # ---- a failure inside vLLM's load --------------------------------------------------------
 
 

@@ -39,7 +39,7 @@ from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRe
 from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
 
 from ..changes import Changes
-from ..engine import EngineStatus, ParamSpec
+from ..engine import EngineStatus, ParamSpec, check_generate_request
 from . import checkpoint
 from .plugin import BACKEND
 
@@ -235,19 +235,7 @@ class VllmEngine:
     # ---- generation --------------------------------------------------------------------
 
     def _check_request(self, req: GenerateRequest) -> None:
-        if not req.prompt_tokens:
-            raise InvalidArgument("prompt_tokens is empty")
-        bad = [t for t in req.prompt_tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if req.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
-        if len(req.prompt_tokens) + req.max_tokens > self.max_model_len:
-            raise InvalidArgument(
-                f"prompt ({len(req.prompt_tokens)}) + max_tokens ({req.max_tokens}) exceeds vLLM's max_model_len {self.max_model_len}"
-            )
-        if not req.temperature >= 0:
-            raise InvalidArgument("temperature must be >= 0")
+        check_generate_request(req, vocab_size=self.vocab_size, max_len=self.max_model_len, max_len_name="vLLM's max_model_len")
 
     def _refuse_if_unservable(self) -> None:
         if self.dirty:
