@@ -102,8 +102,24 @@ def _vllm_engine_args(pairs: tuple[str, ...]) -> dict[str, Any]:
     return args
 
 
+def metrics_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+                        help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/operations.md, 'Metrics').")(f)
+
+
+def _metered(svc: Any, port: int | None) -> Any:
+    """A worker service, with its /metrics endpoint started when a port is given."""
+    if port is not None:
+        from rlbus.services.metrics import MetricsServer, WorkerMetrics
+
+        server = MetricsServer(WorkerMetrics(svc.state).registry, port)
+        logging.getLogger("rlbus.worker").info("metrics on http://0.0.0.0:%d/metrics", server.port)
+    return svc
+
+
 def _serve_vllm(nats_url: str | None, wid: str, opts: Any, model: str | None, draft_model: str | None,
-                num_speculative_tokens: int, vllm_arg: tuple[str, ...], enable_sleep_mode: bool) -> None:
+                num_speculative_tokens: int, vllm_arg: tuple[str, ...], enable_sleep_mode: bool,
+                metrics_port: int | None = None) -> None:
     """`rlbus worker --engine vllm`: start vLLM, serve it, shut vLLM down after the drain."""
     from rlbus.runners.serve import serve
     from rlbus.services.worker.service import WorkerService
@@ -127,7 +143,7 @@ def _serve_vllm(nats_url: str | None, wid: str, opts: Any, model: str | None, dr
     async def make(nc):  # noqa: ANN001, ANN202
         engine = await VllmEngine.start(vopts)
         started.append(engine)
-        return WorkerService(nc, engine, opts)
+        return _metered(WorkerService(nc, engine, opts), metrics_port)
 
     async def run() -> None:
         try:
@@ -288,9 +304,11 @@ def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None
               help="Replicas of the state buckets (default: min(3, NATS nodes known at connect)).")
 @click.option("--state-patience", default=15.0, show_default=True,
               help="How long a state-store call rides out a NATS node loss before it is UNAVAILABLE (no quorum), seconds.")
+@metrics_option
 @click.option("-v", "--verbose", is_flag=True)
 def controller(nats_url: str | None, prefix: str, command_timeout: float, liveness_timeout: float, lease: float,
-               unique_versions: bool, verbose: bool, state_replicas: int | None = None, state_patience: float = 15.0) -> None:
+               unique_versions: bool, verbose: bool, state_replicas: int | None = None, state_patience: float = 15.0,
+               metrics_port: int | None = None) -> None:
     """Run the controller service."""
     from rlbus.schemas import Subjects
     from rlbus.runners.serve import serve
@@ -299,7 +317,7 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
     _logging(verbose)
     opts = ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=command_timeout, liveness_timeout_s=liveness_timeout,
                              lease_s=lease, unique_versions=unique_versions, state_replicas=state_replicas,
-                             state_patience_s=state_patience)
+                             state_patience_s=state_patience, metrics_port=metrics_port)
     anyio.run(lambda: serve(_url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts), auth=_auth(),
                             inbox_prefix=_auth().inbox or opts.subjects.inbox("controller")))
 
@@ -328,6 +346,7 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
               help="When the verifier is newer than the draft: keep speculating, or decode plainly until the draft is pushed.")
 @click.option("--heartbeat", default=1.0, show_default=True, help="Heartbeat interval, seconds.")
 @vllm_options
+@metrics_option
 @click.option("-v", "--verbose", is_flag=True)
 def worker(
     nats_url: str | None, worker_id: str | None, prefix: str, weight_transfer_backend: str, update_mode: str,
@@ -335,6 +354,7 @@ def worker(
     seed: int, max_concurrency: int, draft: bool, draft_layers: int, draft_d_model: int | None,
     num_speculative_tokens: int, stale_draft_policy: str, heartbeat: float, verbose: bool, dtype: str = "float32",
     engine_kind: str = "reference", model: str | None = None, draft_model: str | None = None, vllm_arg: tuple[str, ...] = (),
+    metrics_port: int | None = None,
 ) -> None:
     """Run a worker service hosting the reference engine, or vLLM (--engine vllm --model DIR)."""
     import os
@@ -367,7 +387,8 @@ def worker(
     )
 
     if engine_kind == "vllm":
-        _serve_vllm(nats_url, wid, opts, model, draft_model, num_speculative_tokens, vllm_arg, enable_sleep_mode)
+        _serve_vllm(nats_url, wid, opts, model, draft_model, num_speculative_tokens, vllm_arg, enable_sleep_mode,
+                    metrics_port)
         return
 
     # built before connecting: a big model's init holds the loop long enough for the server to drop the connection
@@ -377,7 +398,7 @@ def worker(
     )
 
     def make(nc):  # noqa: ANN001, ANN202
-        return WorkerService(nc, engine, opts)
+        return _metered(WorkerService(nc, engine, opts), metrics_port)
 
     anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(),
                             inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}")))

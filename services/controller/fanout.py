@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import anyio
@@ -34,6 +35,9 @@ class Outcome(msgspec.Struct):
 
     acks: dict[str, WorkerState]
     failures: list[WorkerFailure]
+    op: str = ""
+    seconds: dict[str, float] = msgspec.field(default_factory=dict)
+    """How long each worker that answered took (metrics: per-worker ack latency)."""
 
     @property
     def ok(self) -> bool:
@@ -67,10 +71,11 @@ async def fan_out(
         payloads = dict.fromkeys(worker_ids, shared)
         sample = command
     op = op_of(sample) if sample is not None else ""
-    out = Outcome(acks={}, failures=[])
+    out = Outcome(acks={}, failures=[], op=op)
     answered: set[str] = set()
 
     async def one(worker_id: str) -> None:
+        sent = time.monotonic()
         try:
             msg = await nc.request(subjects.worker(worker_id, op), payloads[worker_id], timeout=timeout)
         except Exception as e:  # no responders, timeout, connection closed
@@ -85,6 +90,7 @@ async def fan_out(
             out.failures.append(WorkerFailure(worker_id=worker_id, code=got.code, message=got.message))
         else:
             out.acks[worker_id] = got.state
+        out.seconds[worker_id] = time.monotonic() - sent
         answered.add(worker_id)
 
     # All requests go out at once; one deadline bounds the whole fan-out. A plain gather of

@@ -22,6 +22,8 @@ from rlbus.schemas import (
     encode,
 )
 
+from rlbus.services.metrics import ControllerMetrics
+
 from .fanout import Outcome, fan_out
 from .registry import Registry
 
@@ -45,6 +47,7 @@ class Fleet:
         """One state-changing operation at a time; reads never take it."""
         self.on_lost: Callable[[str, str], Awaitable[None]] = _nobody_listens
         """Called with (worker_id, why) when a fan-out finds a worker gone."""
+        self.metrics: ControllerMetrics | None = None
 
     def ids(self) -> list[str]:
         """Every registered worker in rank order; UNAVAILABLE when there are none."""
@@ -62,6 +65,8 @@ class Fleet:
         out = await fan_out(
             self.nc, self.subjects, workers, lambda w: build(w, self.epoch, command_id), timeout or self.command_timeout_s
         )
+        if self.metrics is not None:
+            self.metrics.fanned_out(out.op, out.seconds, [(f.worker_id, f.code) for f in out.failures])
         for state in out.acks.values():
             self.registry.seen(state)
         for f in out.failures:
@@ -86,6 +91,8 @@ class Fleet:
 
     async def event(self, kind: EventKind, workers: list[str], detail: str = "", session_id: str | None = None) -> None:
         ev = FleetEvent(event=kind, epoch=self.epoch, workers=workers, detail=detail, session_id=session_id, time=time.time())
+        if self.metrics is not None:
+            self.metrics.event(ev)
         try:
             await self.nc.publish(self.subjects.event(kind), encode(ev))
         except Exception as e:  # events are best effort; state lives in KV and replies

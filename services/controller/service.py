@@ -52,12 +52,15 @@ from rlbus.schemas import (
     WakeWorker,
     WorkerGone,
     WorkerReady,
+    UpdateWeights,
     WorkerState,
     encode,
     event_decoder,
+    op_of,
 )
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, NotRunning, Routes
+from rlbus.services.metrics import ControllerMetrics, MetricsServer
 
 from . import session as S
 from .fleet import Fleet, stamped
@@ -90,6 +93,8 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     one is elected in seconds) before it is UNAVAILABLE: the store has no quorum."""
     reply_ttl_s: float = 600.0
     """How long answers of state-changing commands are kept by command id (in KV, across restarts)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port at /metrics (0: any free port; None: no endpoint)."""
 
 
 class ControllerService:
@@ -112,6 +117,11 @@ class ControllerService:
         self.standby_for: str | None = None
         """While waiting for the lease: the controller that holds it."""
         self.lease_lost = False
+        self.metrics = ControllerMetrics()
+        self.metrics.watch(self)
+        self.fleet.metrics = self.metrics
+        self.metrics_server: MetricsServer | None = None
+        """Serving /metrics (when options.metrics_port is set); its `port` is the bound one."""
 
     @property
     def registry(self) -> Registry:
@@ -133,6 +143,15 @@ class ControllerService:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
+        if self.opts.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.metrics.registry, self.opts.metrics_port)
+        try:
+            await self._run(task_status)
+        finally:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+
+    async def _run(self, task_status) -> None:  # noqa: ANN001
         store = await StateStore.open(self.nc, self.subjects.kv_bucket, self.opts.state_replicas, self.opts.state_patience_s)
         lease = self._lease = Lease(store, self.id, self.opts.lease_s)
         async with anyio.create_task_group() as wait:  # standby until the lease is ours, or stop()
@@ -185,7 +204,8 @@ class ControllerService:
             )
             group = self._micro.add_group(name=self.subjects.control_group)
             routes = self._routes()
-            await eps.serve(group, routes, wrap=self._leading(lease, {r.handler for r in routes if not r.read}))
+            leading = self._leading(lease, {r.handler for r in routes if not r.read})
+            await eps.serve(group, routes, wrap=lambda handler: self._measured(leading(handler)))
             subs = [
                 await self.nc.subscribe(f"{self.subjects.control_group}.*", queue=UNKNOWN_OP_QUEUE,
                                         cb=Endpoints.unknown(self.nc, routes.ops())),
@@ -231,6 +251,37 @@ class ControllerService:
             return leading
 
         return wrap
+
+    def _measured(self, handler):  # noqa: ANN001, ANN202
+        """Around every handler: its answer time, and the weight bytes an update announced."""
+
+        async def measured(cmd):  # noqa: ANN001, ANN202
+            began = time.monotonic()
+            ok = False
+            try:
+                result = await handler(cmd)
+                ok = True
+                if isinstance(cmd, UpdateWeights):
+                    self.metrics.sent(cmd.params)
+                return result
+            finally:
+                self.metrics.answered(op_of(cmd), time.monotonic() - began, ok)
+
+        return measured
+
+    # what the metrics read at scrape time (services/metrics.py: ControllerView)
+
+    def metrics_version(self) -> VersionInfo:
+        return self.updates.version if not isinstance(self.updates, _NotLeading) else VersionInfo(version=DEFAULT_VERSION)
+
+    def metrics_workers(self) -> list[WorkerState]:
+        return [self.registry.state(w) for w in self.registry.ids()]
+
+    def metrics_leading(self) -> bool:
+        return not isinstance(self.updates, _NotLeading) and not self.lease_lost
+
+    def metrics_paused_since(self) -> float | None:
+        return self.desired.paused_since if self.desired.paused else None
 
     def _step_down(self, why: Exception) -> None:
         if not self.lease_lost:
