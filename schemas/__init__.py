@@ -30,6 +30,7 @@ from .control_commands import (
     StartWeightUpdate,
     UpdateWeights,
     UpdateWeightVersion,
+    VerifyWeights,
     WakeUp,
 )
 from .errors import (
@@ -48,7 +49,7 @@ from .errors import (
 )
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
 from .generate import FinishReason, GenerateReply, GenerateRequest
-from .replies import AnyReply, FleetAck, Nack, ServerInfo, VersionInfo, WorkerAck, WorkerFailure
+from .replies import AnyReply, FleetAck, Nack, ServerInfo, VersionInfo, WeightCheck, WorkerAck, WorkerFailure, WorkerWeights
 from .state import (
     DEFAULT_VERSION,
     MAX_VERSION_LEN,
@@ -81,6 +82,7 @@ from .worker_commands import (
     AnyWorkerCommand,
     Commit,
     GetStatus,
+    HashWeights,
     JoinTransfer,
     OpenSession,
     PauseWorker,

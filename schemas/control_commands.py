@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal, Union
 
 from .base import Message
-from .replies import FleetAck, ServerInfo, VersionInfo
+from .replies import FleetAck, ServerInfo, VersionInfo, WeightCheck
 from .state import Backend, PauseMode, SleepTag, UpdateTarget
 from .tensors import BucketMeta, ParamMeta, TensorChecksum, TransferInit
 
@@ -121,6 +121,18 @@ class GetWeightVersion(ControlCommand, frozen=True, kw_only=True, tag="get_weigh
     reply: ClassVar[type[Message]] = VersionInfo
 
 
+class VerifyWeights(ControlCommand, frozen=True, kw_only=True, tag="verify_weights"):
+    """Every worker hashes the weights it serves (`target`); the controller compares them with
+    each other, or with `expected` (the trainer's checksum of every tensor) when given, and
+    names every worker that differs. Runs under the fleet's lock: no commit lands mid-check."""
+
+    reply: ClassVar[type[Message]] = WeightCheck
+
+    target: UpdateTarget = "main"
+    expected: list[TensorChecksum] = []
+    """The trainer's tensors (the xxh3-128 of each one's bytes); empty = compare the replicas."""
+
+
 AnyControlCommand = Union[
     Pause,
     Resume,
@@ -136,4 +148,5 @@ AnyControlCommand = Union[
     AbortWeightUpdate,
     UpdateWeightVersion,
     GetWeightVersion,
+    VerifyWeights,
 ]

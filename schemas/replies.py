@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union
 
 import msgspec
 
 from .base import Message
 from .codes import ErrorCode
-from .state import DEFAULT_VERSION, Capabilities, FleetState, WorkerInfo, WorkerState
+from .tensors import TensorChecksum
+from .state import DEFAULT_VERSION, Capabilities, FleetState, UpdateTarget, WorkerInfo, WorkerState
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +33,8 @@ class WorkerAck(Message, frozen=True, kw_only=True, tag="worker_ack"):
     """A worker ran the command; its state afterwards."""
 
     state: WorkerState
+    tensor_checksums: list[TensorChecksum] = []
+    """hash_weights: the checksum of every tensor the worker serves, in name order."""
 
 
 class FleetAck(Message, frozen=True, kw_only=True, tag="fleet_ack"):
@@ -78,4 +81,34 @@ class VersionInfo(Message, frozen=True, kw_only=True, tag="version"):
     time: float = 0.0
 
 
-AnyReply = Union[Nack, WorkerAck, FleetAck, ServerInfo, VersionInfo]
+class WorkerWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """What one worker serves, as verify_weights found it."""
+
+    worker_id: str
+    weight_version: str
+    weight_seq: int
+    tensors: int
+    """How many tensors it hashed."""
+    digest: str
+    """One hash over every (name, tensor checksum) pair: equal digests, equal bits."""
+    differs: list[str] = []
+    """Tensors that differ from the reference (first 20 names), or that it lacks or adds."""
+
+
+class WeightCheck(Message, frozen=True, kw_only=True, tag="weight_check"):
+    """verify_weights: does every worker serve the same bits (and the trainer's, when given)?"""
+
+    ok: bool
+    """Every worker matches the reference."""
+    target: UpdateTarget
+    reference: Literal["trainer", "replicas"]
+    """trainer: compared with the checksums the trainer sent; replicas: with the digest most
+    workers share (a tie: the first worker's, in rank order)."""
+    mismatched: list[str] = []
+    """Workers whose bits differ from the reference."""
+    workers: list[WorkerWeights] = []
+    seconds: float = 0.0
+    """How long the slowest worker took to hash what it serves."""
+
+
+AnyReply = Union[Nack, WorkerAck, FleetAck, ServerInfo, VersionInfo, WeightCheck]

@@ -116,6 +116,12 @@ class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     longer stops serving until the controller has reconciled it again."""
 
 
+class HashWeights(WorkerCommand, frozen=True, kw_only=True, tag="hash_weights"):
+    """Hash every tensor the worker serves (`target`); the ack carries the checksums."""
+
+    target: UpdateTarget = "main"
+
+
 AnyWorkerCommand = Union[
     PauseWorker,
     ResumeWorker,
@@ -130,4 +136,5 @@ AnyWorkerCommand = Union[
     AbortSession,
     SetVersion,
     Sync,
+    HashWeights,
 ]

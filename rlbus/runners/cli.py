@@ -405,6 +405,24 @@ def worker(
 
 
 @main.command()
+@url_option
+@click.option("--draft", is_flag=True, help="Check the speculative-decoding draft instead of the main model.")
+def verify(nats_url: str | None, draft: bool) -> None:
+    """Check that every worker serves the same bits (each hashes what it serves); exit 1 naming
+    every worker that differs."""
+    check = _client_call(nats_url, lambda rl: rl.verify_weights(draft=draft))
+    for w in check.workers:
+        mark = "DIFFERS" if w.worker_id in check.mismatched else "ok"
+        detail = f"  differs: {', '.join(w.differs)}" if w.differs else ""
+        click.echo(f"{w.worker_id:<20} {w.weight_version:<24} seq {w.weight_seq:<5} {w.tensors:>5} tensors "
+                   f"{w.digest[:16]}  {mark}{detail}")
+    if not check.ok:
+        raise click.ClickException(f"{len(check.mismatched)} worker(s) serve other {check.target} weights than the "
+                                   f"others: {check.mismatched}")
+    click.echo(f"every worker serves the same {check.target} weights ({check.seconds:.2f} s)")
+
+
+@main.command()
 @click.option("--workers", "-n", default=2, show_default=True)
 @click.option("--steps", default=30, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="rlbus-out/demo", show_default=True, help="Folder for log.json and plot.png.")

@@ -16,6 +16,9 @@ from nats.aio.client import Client
 from rlbus.bus.connection import NatsAuth, connect, drain, request, resolve_url
 from rlbus.bus.faults import expect_reply, fault_of
 from rlbus.schemas import (
+    TensorChecksum,
+    VerifyWeights,
+    WeightCheck,
     AnyControlCommand,
     Backend,
     DeadlineExceeded,
@@ -256,6 +259,21 @@ class RLClient:
         """get_weight_version() with its commit sequence (`seq`, ordered: newer is greater),
         the draft's, and when and by which epoch it was committed."""
         return await self.call(GetWeightVersion(), VersionInfo)
+
+    async def verify_weights(
+        self, named_tensors: Iterable[tuple[str, "torch.Tensor"]] | None = None, *, draft: bool = False
+    ) -> WeightCheck:
+        """Does every worker serve the same bits? Each hashes the weights it serves (the main
+        model, or the draft); given the trainer's tensors, each is compared with them, else the
+        replicas with each other. `.ok`, and `.mismatched` names every worker that differs (its
+        entry in `.workers` names the tensors). Costs one read of the weights on every worker
+        (about the time to hash them at ~10 GB/s per core), and waits for a running push."""
+        from rlbus.transfer.buckets import as_bytes
+        from rlbus.transfer.checksum import checksum
+
+        expected = [TensorChecksum(name=n, checksum=checksum(as_bytes(t.detach().cpu())))
+                    for n, t in (named_tensors or [])]
+        return await self.call(VerifyWeights(target="draft" if draft else "main", expected=expected), WeightCheck)
 
     def watch_versions(self) -> AsyncIterator[VersionInfo]:
         """Yield the committed version first, then each new one. Backed by JetStream KV, so

@@ -38,6 +38,8 @@ class Outcome(msgspec.Struct):
     op: str = ""
     seconds: dict[str, float] = msgspec.field(default_factory=dict)
     """How long each worker that answered took (metrics: per-worker ack latency)."""
+    answers: dict[str, WorkerAck] = msgspec.field(default_factory=dict)
+    """Each answer whole (what a command returns beside the state, e.g. hash_weights' checksums)."""
 
     @property
     def ok(self) -> bool:
@@ -90,6 +92,7 @@ async def fan_out(
             out.failures.append(WorkerFailure(worker_id=worker_id, code=got.code, message=got.message))
         else:
             out.acks[worker_id] = got.state
+            out.answers[worker_id] = got
         out.seconds[worker_id] = time.monotonic() - sent
         answered.add(worker_id)
 

@@ -53,6 +53,7 @@ from rlbus.schemas import (
     WorkerGone,
     WorkerReady,
     UpdateWeights,
+    VerifyWeights,
     WorkerState,
     encode,
     event_decoder,
@@ -68,6 +69,7 @@ from .leadership import Lease, LeaseLost
 from .registry import Registry
 from .store import ReplyStore, StateStore
 from .updates import Updates
+from .verify import verify_weights
 
 log = logging.getLogger("rlbus.controller")
 T = TypeVar("T")
@@ -426,6 +428,8 @@ class ControllerService:
         r.add(WakeUp, self._wake_up)
         r.add(IsSleeping, self._status, read=True)
         r.add(GetServerInfo, self._server_info, inline=True, read=True)
+        # a read that takes the lock: it waits for a running push, so no commit lands mid-check
+        r.add(VerifyWeights, lambda cmd: verify_weights(self.fleet, cmd), read=True)
         self.updates.routes(r)
         return r
 

@@ -28,6 +28,7 @@ from rlbus.schemas import (
     ControllerHello,
     FailedPrecondition,
     GetStatus,
+    HashWeights,
     Heartbeat,
     InvalidArgument,
     JoinTransfer,
@@ -62,6 +63,7 @@ from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
 from .engine import Engine
 from .updates import WeightUpdates
+from .verify import hash_weights
 
 log = logging.getLogger("rlbus.worker")
 
@@ -292,6 +294,7 @@ class WorkerService:
         r.add(AbortSession, self._abort_session, inline=True)
         r.add(SetVersion, self._set_version)
         r.add(Sync, self._sync)
+        r.add(HashWeights, self._hash_weights, read=True)
         return r
 
     def _idle(self, cmd: PauseWorker) -> bool:
@@ -403,6 +406,9 @@ class WorkerService:
             self.engine.weight_seq = cmd.seq
         await self._withhold(not current)
         return self.ack()
+
+    async def _hash_weights(self, cmd: HashWeights) -> WorkerAck:
+        return WorkerAck(state=self.state(), tensor_checksums=await hash_weights(self.engine, cmd.target))
 
     async def _withhold(self, behind: bool) -> None:
         """Withhold this worker from generation while it is behind the committed version."""

@@ -27,6 +27,7 @@ def _control_commands() -> list[s.ControlCommand]:
         s.AbortWeightUpdate(reason="x"),
         s.UpdateWeightVersion(new_version="v2"),
         s.GetWeightVersion(),
+        s.VerifyWeights(target="draft", expected=[s.TensorChecksum(name="w", checksum="ab" * 16)]),
     ]
 
 
@@ -52,6 +53,7 @@ def _worker_commands() -> list[s.WorkerCommand]:
         s.AbortSession(session_id="abc", reason="x", **stamp),
         s.SetVersion(new_version="v2", **stamp),
         s.Sync(committed_version="step-3", **stamp),
+        s.HashWeights(target="draft", **stamp),
     ]
 
 
