@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import ssl
+import time
 from collections.abc import Callable
 
 import anyio
@@ -18,6 +19,8 @@ from nats.aio.msg import Msg
 from rlbus.schemas import PermissionDenied
 
 log = logging.getLogger("rlbus.bus.connection")
+QUIET_RECONNECT_S = 5.0
+"""A reconnect after a longer outage logs at WARNING; shorter ones (and every disconnect) at DEBUG."""
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 URL_ENV = "RLBUS_NATS_URL"
@@ -158,11 +161,18 @@ async def connect(
         else:
             log.warning("%s: NATS error: %s", name, e)
 
+    down: list[float] = []
+
     async def on_disconnect() -> None:
-        log.info("%s: disconnected from NATS", name)
+        # closing ends in a disconnect too; a reconnect within seconds is routine (a node
+        # restart, a failover): loud only when it lasts (on_reconnect) or fails (on_error)
+        down[:] = [time.monotonic()]
+        log.debug("%s: disconnected from NATS", name)
 
     async def on_reconnect() -> None:
-        log.info("%s: reconnected to NATS", name)
+        gone = time.monotonic() - down[0] if down else 0.0
+        log.log(logging.WARNING if gone > QUIET_RECONNECT_S else logging.DEBUG,
+                "%s: reconnected to NATS after %.1fs", name, gone)
 
     result: list[Client] = []
 

@@ -207,13 +207,14 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         engine_flags += [f for a in vllm_arg for f in ("--vllm-arg", a)]
     fleet = Fleet(
         url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode, *engine_flags],
-        role_env=role_env,
+        role_env=role_env, log_level=None if verbose else "WARNING",  # quiet by default: warnings and errors only
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         fleet.start()
+        click.echo(f"rlbus up: NATS on {url}; starting a controller and {workers} workers ...", err=True)
 
         async def ready() -> None:
             rl = await fleet.wait_ready(600.0 if engine_kind == "vllm" else 120.0)  # vLLM starts in tens of seconds

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+QUIET_RETRY_S = 5.0
+"""A call retrying longer than this says so at WARNING; shorter retries log at DEBUG."""
 log = logging.getLogger("rlbus.sdk.client")
 
 PUSH_CLEANUP_S = 5.0
@@ -148,12 +150,14 @@ class RLClient:
             except Exception as e:  # no responders, timeout, connection closed
                 fault = fault_of(e, who=who, op=op, timeout=t, hint=hint)
                 waited = time.monotonic() - start
+                # retries are normal while services start or fail over: quiet unless they last
+                level = logging.WARNING if waited > QUIET_RETRY_S else logging.DEBUG
                 if resend and fault.code == "DEADLINE_EXCEEDED" and waited < t - 0.01:
-                    log.info("%s: no answer within %.1fs; sending it again (same id)", op, wait)
+                    log.log(level, "%s: no answer within %.1fs; sending it again (same id)", op, wait)
                     continue
                 if fault.code != "UNAVAILABLE" or waited + delay >= min(t, self.retry_s):
                     raise fault.error() from None
-                log.info("%s: %s; retrying", op, fault.message)
+                log.log(level, "%s: %s; retrying", op, fault.message)
                 await anyio.sleep(delay)  # back-off between retries, not a wait for a condition
                 delay = min(delay * 2, 0.5)
         return expect_reply(msg, op, expect, decoder) if decoder is not None else expect_reply(msg, op, expect)

@@ -86,6 +86,14 @@ async def test_up_prints_the_url_once_every_worker_is_registered(up):
     assert info.capabilities.sleep_mode_enabled
 
 
+def test_a_normal_start_prints_only_what_a_user_needs(up):
+    log = up.stderr.read_text(errors="replace")
+    start = log.split("Ctrl-C to stop.", 1)[0]  # what `up` said until it was ready
+    assert "rlbus up: NATS on " in start and "rlbus up: controller + 2 workers on" in log, log[-2000:]
+    noisy = [line for line in start.splitlines() if " INFO " in line or "retrying" in line or "disconnected" in line]
+    assert not noisy, noisy
+
+
 def test_up_runs_the_server_the_controller_and_each_worker_as_children(up):
     commands = list(up.children.values())
     assert len(up.children) == 4, commands
