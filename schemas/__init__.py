@@ -49,7 +49,9 @@ from .errors import (
 )
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
 from .generate import FinishReason, GenerateReply, GenerateRequest
-from .replies import AnyReply, FleetAck, Nack, ServerInfo, VersionInfo, WeightCheck, WorkerAck, WorkerFailure, WorkerWeights
+from .replies import (
+    AnyReply, FleetAck, Nack, RepairOffer, ServerInfo, VersionInfo, WeightCheck, WorkerAck, WorkerFailure, WorkerWeights,
+)
 from .state import (
     DEFAULT_VERSION,
     MAX_VERSION_LEN,
@@ -84,6 +86,9 @@ from .worker_commands import (
     GetStatus,
     HashWeights,
     JoinTransfer,
+    LeaveTransfer,
+    OfferWeights,
+    SendWeights,
     OpenSession,
     PauseWorker,
     PrepareCommit,

@@ -8,7 +8,7 @@ import msgspec
 
 from .base import Message
 from .codes import ErrorCode
-from .tensors import TensorChecksum
+from .tensors import BucketMeta, ParamMeta, TensorChecksum, TransferInit
 from .state import DEFAULT_VERSION, Capabilities, FleetState, UpdateTarget, WorkerInfo, WorkerState
 
 
@@ -29,12 +29,24 @@ class Nack(Message, frozen=True, kw_only=True, tag="nack"):
     """Per-worker causes, when the refusal came from the fleet."""
 
 
+class RepairOffer(msgspec.Struct, frozen=True, kw_only=True):
+    """offer_weights: the group a repair peer hosts, and the plan of what it will send."""
+
+    init: TransferInit
+    params: list[ParamMeta]
+    buckets: list[BucketMeta]
+
+
 class WorkerAck(Message, frozen=True, kw_only=True, tag="worker_ack"):
     """A worker ran the command; its state afterwards."""
 
     state: WorkerState
     tensor_checksums: list[TensorChecksum] = []
     """hash_weights: the checksum of every tensor the worker serves, in name order."""
+    offer: RepairOffer | None = None
+    """offer_weights: the group and the plan."""
+    sent_checksums: list[str] = []
+    """send_weights: each bucket's checksum, in the order sent."""
 
 
 class FleetAck(Message, frozen=True, kw_only=True, tag="fleet_ack"):
@@ -62,6 +74,10 @@ class ServerInfo(Message, frozen=True, kw_only=True, tag="server_info"):
     controller_id: str = ""
     desired: FleetState = FleetState()
     """The state every worker is reconciled to (paused, sleeping) as the trainer last set it."""
+    repairing: dict[str, str] = {}
+    """Workers being repaired now (behind the committed weights), each with the peer it gets them from."""
+    repair_problem: str = ""
+    """Why workers behind the committed weights are not being repaired (e.g. no healthy peer), if so."""
 
 
 class VersionInfo(Message, frozen=True, kw_only=True, tag="version"):

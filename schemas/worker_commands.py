@@ -116,6 +116,33 @@ class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     longer stops serving until the controller has reconciled it again."""
 
 
+class OfferWeights(WorkerCommand, frozen=True, kw_only=True, tag="offer_weights"):
+    """Repair, on the healthy peer: host rank 0 of a new transfer group (`init_info`, port 0 =
+    a free one; the peer fills in its own address) and plan its committed `target` weights as
+    buckets. The ack's `offer` carries the bound group and the plan; nothing is sent yet."""
+
+    target: UpdateTarget = "main"
+    init_info: TransferInit
+
+
+class SendWeights(WorkerCommand, frozen=True, kw_only=True, tag="send_weights"):
+    """Repair, on the peer: once every receiver joined the offered group, send buckets of the
+    plan (the committed bits, read while it keeps serving); the ack's `sent_checksums` are
+    their checksums, in order. The group stays until leave_weight_transfer."""
+
+    group_name: str
+    first: int = 0
+    last: int | None = None
+    """Buckets first..last-1 of the plan (None: to the end); the receivers posted their receive first."""
+
+
+class LeaveTransfer(WorkerCommand, frozen=True, kw_only=True, tag="leave_weight_transfer"):
+    """Leave transfer group `group_name` (a repair's), if this worker is in it or hosts it; the
+    trainer's next push builds a group with it again."""
+
+    group_name: str
+
+
 class HashWeights(WorkerCommand, frozen=True, kw_only=True, tag="hash_weights"):
     """Hash every tensor the worker serves (`target`); the ack carries the checksums."""
 
@@ -137,4 +164,7 @@ AnyWorkerCommand = Union[
     SetVersion,
     Sync,
     HashWeights,
+    OfferWeights,
+    SendWeights,
+    LeaveTransfer,
 ]

@@ -503,7 +503,8 @@ def _print_status(info: Any) -> None:
         t.add_row(
             w.worker_id, str(w.rank), s.pause_mode or "no" if s.paused else "no",
             ",".join(s.sleeping_tags) or "no",
-            s.weight_version + (" (behind)" if w.behind else "") + (" (dirty)" if s.dirty else ""),
+            s.weight_version + (" (behind)" if w.behind else "") + (" (dirty)" if s.dirty else "")
+            + (f" (repairing from {info.repairing[w.worker_id]})" if w.worker_id in info.repairing else ""),
             (s.draft_version or "-") + (" (stale)" if s.draft_stale else ""),
             str(s.in_flight), f"{s.param_bytes / 2**20:.2f}", f"{s.kv_cache_bytes / 2**20:.2f}", f"{w.last_seen_s:.1f}",
         )
@@ -512,6 +513,10 @@ def _print_status(info: Any) -> None:
     rates = [f"{w.worker_id}={w.state.acceptance_rate:.0%}" for w in info.workers if w.state.acceptance_rate is not None]
     if rates:
         c.print("draft acceptance: " + " ".join(rates))
+    if info.repairing:
+        c.print("repairing: " + ", ".join(f"{w} from {src}" for w, src in sorted(info.repairing.items())))
+    if info.repair_problem:
+        c.print(f"repair waits: {info.repair_problem}")
     c.print(
         f"capabilities: sleep_mode={caps.sleep_mode_enabled} backend={caps.weight_transfer_backend or 'none'} "
         f"draft={caps.has_draft_model} draft_updates={caps.supports_draft_weight_updates} "

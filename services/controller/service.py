@@ -68,6 +68,7 @@ from .fleet import Fleet, stamped
 from .leadership import Lease, LeaseLost
 from .registry import Registry
 from .store import ReplyStore, StateStore
+from .repair import RepairOptions, Repairs
 from .updates import Updates
 from .verify import verify_weights
 
@@ -97,6 +98,8 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How long answers of state-changing commands are kept by command id (in KV, across restarts)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port at /metrics (0: any free port; None: no endpoint)."""
+    repair: RepairOptions = RepairOptions()
+    """Workers behind the committed weights are repaired from a healthy peer (repair.py)."""
 
 
 class ControllerService:
@@ -109,6 +112,8 @@ class ControllerService:
         self.fleet.on_lost = self._drop
         self.updates: Updates = _NotLeading()  # type: ignore[assignment]
         """The update sessions; built once this controller leads (they need the state store)."""
+        self.repairs: Repairs = _NotLeading()  # type: ignore[assignment]
+        """Repairs of workers behind the committed weights; built once this controller leads."""
         self._stop = anyio.Event()
         self._micro: Service | None = None
         self._changed = anyio.Event()
@@ -176,6 +181,7 @@ class ControllerService:
             version = msgspec.structs.replace(version, epoch=self.fleet.epoch, time=time.time())
             await store.put_version(version)
         self.updates = Updates(self.fleet, store, version, unique_versions=self.opts.unique_versions)
+        self.repairs = Repairs(self.fleet, self.updates, self.opts.repair)
         self.desired = await store.desired()
 
         async def write_back() -> None:  # the bucket vanished under a running leader: it knows everything
@@ -218,6 +224,7 @@ class ControllerService:
             await self._hello()
             tg.start_soon(self._sweep)
             tg.start_soon(self._keep_lease, lease)
+            tg.start_soon(self.repairs.run)
             log.info("controller %s up, epoch %d, version %s", self.id, self.epoch, self.version.version)
             task_status.started()
             await self._stop.wait()
@@ -385,6 +392,7 @@ class ControllerService:
             )
         if synced.session_id and synced.session_id != self.updates.session_id:
             await self.updates.abort_orphan(w, synced.session_id)
+        self.repairs.poke()  # behind the committed weights: a healthy peer brings it there
 
     async def _still_leading(self, state: WorkerState) -> bool:
         """A worker obeys a newer epoch: the state was lost (recover it), or another controller
@@ -529,6 +537,8 @@ class ControllerService:
             session_id=self.updates.session_id,
             controller_id=self.id,
             desired=self.desired,
+            repairing=dict(self.repairs.repairing) if not isinstance(self.repairs, _NotLeading) else {},
+            repair_problem=self.repairs.problem if not isinstance(self.repairs, _NotLeading) else "",
         )
 
 

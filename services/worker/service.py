@@ -30,6 +30,9 @@ from rlbus.schemas import (
     GetStatus,
     HashWeights,
     Heartbeat,
+    LeaveTransfer,
+    OfferWeights,
+    SendWeights,
     InvalidArgument,
     JoinTransfer,
     OpenSession,
@@ -63,6 +66,7 @@ from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
 from .engine import Engine
 from .updates import WeightUpdates
+from .repair import RepairSource
 from .verify import hash_weights
 
 log = logging.getLogger("rlbus.worker")
@@ -102,6 +106,8 @@ class WorkerService:
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self._endpoints = Endpoints(self._tg, f"worker {self.id}")
         self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
+        self.repair = RepairSource(engine, options.weight_transfer_backend)
+        """Sends this worker's committed weights to workers that are behind (repair.py)."""
         self.withheld = True
         """Takes no rl.generate traffic: until a controller has synced it (brought it to the
         fleet's desired state), while it is behind the committed version, and after it finds
@@ -207,6 +213,7 @@ class WorkerService:
                         log.warning("worker %s: could not say goodbye: %s", self.id, e)
             self.updates.abort("")
             self.updates.teardown()
+            self.repair.close()
             tg.cancel_scope.cancel()
 
     def stop(self) -> None:
@@ -295,6 +302,9 @@ class WorkerService:
         r.add(SetVersion, self._set_version)
         r.add(Sync, self._sync)
         r.add(HashWeights, self._hash_weights, read=True)
+        r.add(OfferWeights, self._offer_weights)
+        r.add(SendWeights, self._send_weights)
+        r.add(LeaveTransfer, self._leave_transfer, inline=True)
         return r
 
     def _idle(self, cmd: PauseWorker) -> bool:
@@ -409,6 +419,21 @@ class WorkerService:
 
     async def _hash_weights(self, cmd: HashWeights) -> WorkerAck:
         return WorkerAck(state=self.state(), tensor_checksums=await hash_weights(self.engine, cmd.target))
+
+    async def _offer_weights(self, cmd: OfferWeights) -> WorkerAck:
+        if self.withheld:
+            raise FailedPrecondition(f"worker {self.id} is withheld (not on the committed weights): it cannot be a repair source")
+        return WorkerAck(state=self.state(), offer=self.repair.offer(cmd.target, cmd.init_info))
+
+    async def _send_weights(self, cmd: SendWeights) -> WorkerAck:
+        return WorkerAck(state=self.state(), sent_checksums=await self.repair.send(cmd.group_name, cmd.first, cmd.last))
+
+    async def _leave_transfer(self, cmd: LeaveTransfer) -> WorkerAck:
+        if self.repair.group_name == cmd.group_name:
+            self.repair.close()
+        if self.updates.init is not None and self.updates.init.group_name == cmd.group_name and self.updates.session is None:
+            self.updates.teardown()
+        return self.ack()
 
     async def _withhold(self, behind: bool) -> None:
         """Withhold this worker from generation while it is behind the committed version."""

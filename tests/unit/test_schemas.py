@@ -54,6 +54,9 @@ def _worker_commands() -> list[s.WorkerCommand]:
         s.SetVersion(new_version="v2", **stamp),
         s.Sync(committed_version="step-3", **stamp),
         s.HashWeights(target="draft", **stamp),
+        s.OfferWeights(target="main", init_info=s.TransferInit(backend="gloo", world_size=2), **stamp),
+        s.SendWeights(group_name="g", first=0, last=2, **stamp),
+        s.LeaveTransfer(group_name="g", **stamp),
     ]
 
 

@@ -1,0 +1,123 @@
+"""The fleet heals itself: a worker behind the committed weights (newly started, restarted
+under its id on its initial weights) is repaired from a healthy peer, verified against what
+every healthy peer serves, committed as exactly the committed version and seq, and admitted to
+generation, without a push. A peer whose bits differ from the others' is never a source.
+
+In-process services (one per worker) on a real nats-server and real gloo groups; the tests
+about frozen and killed processes are in test_repair_processes.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlbus.schemas import FleetEvent, Subjects, event_decoder
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
+from tests.fleet import fleet_running
+from tests.waiting import eventually
+from tests.weights_helpers import MODEL, assert_holds, new_version, trained
+
+WORKERS = ("r0", "r1")
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_server, prefix):  # noqa: ANN001, ANN201
+    async with fleet_running(nats_server.url, prefix + "repair", WORKERS, weight_transfer_backend="gloo", model=MODEL) as f:
+        yield f
+
+
+class Events:
+    """rl.events.* as they arrive."""
+
+    def __init__(self) -> None:
+        self.seen: list[FleetEvent] = []
+
+    async def on(self, msg) -> None:  # noqa: ANN001
+        ev = event_decoder.decode(msg.data)
+        if isinstance(ev, FleetEvent):
+            self.seen.append(ev)
+
+    def of(self, kind: str, worker: str) -> list[FleetEvent]:
+        return [e for e in self.seen if e.event == kind and worker in e.workers]
+
+
+async def start_worker(f, wid: str, seed: int = 0):  # noqa: ANN001, ANN201
+    """A worker on its own initial weights (a TinyLM of the fleet's shape, from `seed`)."""
+    import msgspec
+
+    subjects = f.controller.subjects
+    engine = ReferenceEngine(msgspec.structs.replace(MODEL, seed=seed))
+    return await f.start_worker(engine, WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
+                                                      weight_transfer_backend="gloo"))
+
+
+async def test_a_new_worker_serves_the_committed_version_without_a_push(fleet):  # noqa: ANN001
+    f, rl = fleet
+    named = trained(11)
+    version = new_version("repair")
+    await rl.push_weights(named, version)
+    events = Events()
+    sub = await rl.nc.subscribe(f.controller.subjects.event("worker_repaired"), cb=events.on)
+    try:
+        await start_worker(f, "r-new", seed=99)
+        await eventually(lambda: events.of("worker_repaired", "r-new"), timeout=30, what="r-new repaired")
+        info = await eventually(lambda: _serving(f, "r-new"), timeout=10, what="r-new serving")
+        assert info
+        assert_holds(f, "r-new", named)
+        st = f.workers["r-new"].state()
+        assert (st.weight_version, st.weight_seq) == (version, f.controller.version.seq)
+        detail = events.of("worker_repaired", "r-new")[0].detail
+        assert "source=r" in detail and f"seq={f.controller.version.seq}" in detail and "bytes=" in detail
+        assert (await rl.verify_weights(named)).ok  # every worker, the new one included, serves the trainer's bits
+    finally:
+        await sub.unsubscribe()
+        await f.stop(f.workers.pop("r-new"))
+
+
+async def test_a_worker_restarted_on_its_initial_weights_is_repaired_and_the_next_push_is_a_delta(fleet):  # noqa: ANN001
+    f, rl = fleet
+    await rl.push_weights(trained(12), new_version("repair"))
+    await f.stop(f.workers.pop("r1"))
+    await start_worker(f, "r1")  # same id, initial weights
+    await eventually(lambda: _serving(f, "r1") and f.workers["r1"].state().weight_seq == f.controller.version.seq,
+                     timeout=30, what="r1 repaired")
+    nxt = trained(13)
+    await rl.push_weights(nxt, new_version("repair"), delta=True)
+    assert rl.push.last is not None and rl.push.last.fallback is None, rl.push.last  # a delta for the whole fleet
+    for w in WORKERS:
+        assert_holds(f, w, nxt)
+
+
+async def test_a_peer_whose_bits_differ_is_never_a_source(fleet):  # noqa: ANN001
+    f, rl = fleet
+    named = trained(14)
+    await rl.push_weights(named, new_version("repair"))
+    live = f.workers["r1"].engine.parameters_of("main")
+    first = next(iter(live))
+    with torch.no_grad():
+        live[first].view(-1)[0] += 1.0  # r1 now serves other bits than r0
+    events = Events()
+    sub = await rl.nc.subscribe(f.controller.subjects.event("repair_failed"), cb=events.on)
+    try:
+        await start_worker(f, "r-new", seed=98)
+        await eventually(lambda: events.of("repair_failed", "r-new"), timeout=30, what="repair refused")
+        assert "do not serve the same" in events.of("repair_failed", "r-new")[0].detail
+        assert f.workers["r-new"].state().withheld  # never served
+        await rl.push_weights(named, new_version("repair"))  # a push brings r1 back (and r-new with it)
+        await eventually(lambda: _serving(f, "r-new"), timeout=30, what="r-new serving after the push")
+        assert (await rl.verify_weights(named)).ok
+    finally:
+        await sub.unsubscribe()
+        await f.stop(f.workers.pop("r-new"))
+
+
+async def test_server_info_names_no_repair_when_the_fleet_is_current(fleet):  # noqa: ANN001
+    _, rl = fleet
+    info = await rl.server_info()
+    assert info.repairing == {} and info.repair_problem == ""
+
+
+def _serving(f, wid: str) -> bool:  # noqa: ANN001
+    w = f.workers.get(wid)
+    return w is not None and not w.withheld and wid in f.controller.registry.ids()
