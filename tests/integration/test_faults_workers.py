@@ -1,4 +1,4 @@
-"""Worker faults: a worker killed mid-session, a worker too slow to prepare, a late joiner.
+"""Worker faults: a worker killed mid-session, a worker too slow to prepare, a late joiner (repaired).
 
 Each test starts a small in-process fleet (shm transfer) under a prefix of its own.
 """
@@ -158,37 +158,36 @@ async def test_a_worker_too_slow_to_prepare_fails_the_finish_with_deadline_excee
 # ---- a late joiner -----------------------------------------------------------------------------
 
 
-async def test_a_late_joiner_on_an_older_version_is_stale_and_takes_no_traffic_until_a_push_includes_it(make_fleet):
+async def test_a_late_joiner_takes_no_traffic_until_a_peer_repaired_it_then_a_push_includes_it(make_fleet):
     f, rl, p = await make_fleet(["w0", "w1"])
     v1 = trained(21)
     await rl.push_weights(v1, "v1")
-    stale_events: list[FleetEvent] = []
+    seen: list[FleetEvent] = []
 
     async def on(msg) -> None:
         ev = event_decoder.decode(msg.data)
         assert isinstance(ev, FleetEvent)
-        stale_events.append(ev)
+        seen.append(ev)
 
-    sub = await rl.nc.subscribe(Subjects(prefix=p).event("worker_stale"), cb=on)
+    subjects = Subjects(prefix=p)
+    sub = await rl.nc.subscribe(subjects.event("worker_stale"), cb=on)
+    sub2 = await rl.nc.subscribe(subjects.event("worker_repaired"), cb=on)
     await rl.nc.flush()
     try:
         late = await _worker(f, p, "w2")
         await f.wait_for_workers(["w2"])
-
-        assert late.engine.weight_version == "default" and late.withheld
-        info = await rl.server_info()
-        by_id = {w.worker_id: w for w in info.workers}
-        assert by_id["w2"].behind and by_id["w2"].state.withheld
-        assert not by_id["w0"].behind and not by_id["w1"].behind
-        await eventually(lambda: stale_events, timeout=3, what="a worker_stale event")
-        assert [e.workers for e in stale_events] == [["w2"]]
-
-        replies = await asyncio.gather(*(rl.generate([1, 2, 3], 4) for _ in range(20)))
-        assert {r.worker_id for r in replies} <= {"w0", "w1"}, "a stale worker answered generation"
-        assert all(r.weight_version == "v1" for r in replies)
+        await eventually(lambda: [e for e in seen if e.event == "worker_stale"], timeout=3, what="a worker_stale event")
+        assert [e.workers for e in seen if e.event == "worker_stale"] == [["w2"]]
+        while late.withheld:  # behind: every reply comes from the others, on v1
+            r = await rl.generate([1, 2, 3], 4)
+            assert r.worker_id in {"w0", "w1"} and r.weight_version == "v1", "a stale worker answered generation"
+        # repaired over shm from a peer, without a push
+        assert [e.workers for e in seen if e.event == "worker_repaired"] == [["w2"]]
+        assert late.engine.weight_version == "v1"
+        assert_holds(f, "w2", v1)
 
         v2 = trained(22)
-        ack = await rl.push_weights(v2, "v2")  # the group must be rebuilt to include w2
+        ack = await rl.push_weights(v2, "v2")  # the trainer's group is rebuilt to include w2
         assert sorted(w.worker_id for w in ack.workers) == ["w0", "w1", "w2"]
         assert not late.withheld and late.engine.weight_version == "v2"
         assert_holds(f, "w2", v2)
@@ -199,6 +198,7 @@ async def test_a_late_joiner_on_an_older_version_is_stale_and_takes_no_traffic_u
             assert r.weight_version == "v2"
             return r.worker_id == "w2"
 
-        await eventually(w2_answers, timeout=10, interval=0, what="w2 serving generation again")
+        await eventually(w2_answers, timeout=10, interval=0, what="w2 serving generation")
     finally:
         await sub.unsubscribe()
+        await sub2.unsubscribe()

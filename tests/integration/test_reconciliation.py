@@ -1,8 +1,8 @@
 """A worker is brought to the fleet's desired state whenever it (re)joins. One real worker
 process is frozen (SIGSTOP) past the liveness timeout at each step and continued (SIGCONT):
-pause -> drop -> rejoin -> sleep -> drop -> rejoin -> push while it is away -> rejoin. After
-each rejoin it holds the desired state before it is counted, and no generation reply comes from
-it while it is in the wrong state."""
+pause -> drop -> rejoin -> sleep -> drop -> rejoin -> push while it is away -> rejoin (and a
+repair from its peer). After each rejoin it holds the desired state before it is counted, and no
+generation reply comes from it while it is in the wrong state."""
 
 from __future__ import annotations
 
@@ -103,27 +103,33 @@ async def test_a_worker_rejoining_a_sleeping_fleet_falls_asleep(fleet):
         assert not _state(f).sleeping_tags and not await rl.is_sleeping()
 
 
-async def test_a_worker_that_missed_a_push_serves_nothing_until_it_holds_the_committed_weights(fleet):
+async def test_a_worker_that_missed_a_push_serves_nothing_until_a_peer_repaired_it(fleet):
     f, rl, proc = fleet
     version = new_version("while-away")
+    named = trained(41)
 
     async def push() -> None:
-        await rl.push_weights(trained(41), version)
+        await rl.push_weights(named, version, delta=True)  # tracked: the next delta push is against it
 
     async with LoopLag(bound=0.5):
         await _drop_and_rejoin(f, proc, push)
-        assert _state(f).withheld and _state(f).weight_version != version
-        replies = [r for _ in range(3) for r in await generate_all(rl)]
-        assert {r.worker_id for r in replies} == {"w0"}, "a worker behind the committed version served"
-        assert all(r.weight_version == version for r in replies)
-        again = new_version("together")
-        await rl.push_weights(trained(42), again)
-        await eventually(lambda: not _state(f).withheld, what="the worker current again")
+        # until it holds the committed weights, every reply comes from w0 on them
+        while _state(f).withheld:
+            reply = await rl.generate([1, 2, 3], 2)
+            assert reply.worker_id == "w0" and reply.weight_version == version, "a worker behind the committed version served"
+        # repaired from w0 without a push: exactly the committed bits, version and seq
+        st = _state(f)
+        assert (st.weight_version, st.weight_seq) == (version, f.controller.version.seq)
+        assert (await rl.verify_weights(named)).ok
         seen = set()
         for _ in range(20):
             reply = await rl.generate([1, 2, 3], 2)
-            assert reply.weight_version == again
+            assert reply.weight_version == version
             seen.add(reply.worker_id)
             if seen == {"w0", PROC}:
                 break
-        assert seen == {"w0", PROC}, "the reconciled worker takes generation traffic again"
+        assert seen == {"w0", PROC}, "the repaired worker takes generation traffic again"
+        again = new_version("together")
+        await rl.push_weights(trained(42), again, delta=True)
+        last = rl.last_push
+        assert last is not None and last.delta and last.fallback is None, f"not a delta for the whole fleet: {last}"

@@ -77,14 +77,15 @@ async def test_a_new_worker_serves_the_committed_version_without_a_push(fleet): 
 
 async def test_a_worker_restarted_on_its_initial_weights_is_repaired_and_the_next_push_is_a_delta(fleet):  # noqa: ANN001
     f, rl = fleet
-    await rl.push_weights(trained(12), new_version("repair"))
+    await rl.push_weights(trained(12), new_version("repair"), delta=True)  # tracked: the base of the next delta
     await f.stop(f.workers.pop("r1"))
     await start_worker(f, "r1")  # same id, initial weights
     await eventually(lambda: _serving(f, "r1") and f.workers["r1"].state().weight_seq == f.controller.version.seq,
                      timeout=30, what="r1 repaired")
     nxt = trained(13)
     await rl.push_weights(nxt, new_version("repair"), delta=True)
-    assert rl.push.last is not None and rl.push.last.fallback is None, rl.push.last  # a delta for the whole fleet
+    last = rl.last_push
+    assert last is not None and last.delta and last.fallback is None, last  # a delta for the whole fleet
     for w in WORKERS:
         assert_holds(f, w, nxt)
 

@@ -4,8 +4,8 @@ replacement started), a worker too slow to prepare, a corrupted bucket, a worker
 between pushes or in the middle of one (and a new one started), clean pushes.
 
 After every iteration the fleet must be in step: every registered worker holds the committed
-weights and version (a worker that missed a commit is `behind` and withheld until a push brings
-it current), no generation reply comes from weights other than the committed ones, and the
+weights and version (a worker that missed a commit is `behind` and withheld until a healthy peer
+repairs it, or, when no worker holds the committed bits, until a push brings it current), no generation reply comes from weights other than the committed ones, and the
 committed versions, as published, are exactly the successful pushes in order (no gap, no
 repeat, no regression). Every failure is a typed rlbus error.
 """
@@ -167,6 +167,13 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
     async def in_step(i: int, kind: str) -> None:
         want = committed[-1] if committed else "default"
         where = f"after iteration {i} ({kind})"
+        if behind and set(behind) != set(registered()):
+            # a healthy peer holds the committed weights: it repairs the others, without a push
+            async def repaired() -> bool:
+                return not any(w.behind or w.state.withheld for w in (await rl.server_info()).workers)
+
+            await eventually(repaired, timeout=30, what=f"{sorted(behind)} repaired {where}")
+            behind.clear()
         info = await rl.server_info()
         assert info.weight_version == want and info.session_id is None, where
         assert not info.desired.paused, f"the fleet is left paused {where}"
