@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -56,6 +57,7 @@ from .fleet import Fleet, stamped
 from .updates import Updates
 
 log = logging.getLogger("rlbus.controller.repair")
+T = TypeVar("T")
 
 META_LIMIT = 256 << 10
 """Metadata bytes per receive command (one NATS message each)."""
@@ -239,8 +241,8 @@ class Repairs:
             for params, buckets, first, last in chunks(offer.params, offer.buckets):
                 got = await self.fleet.send(stamped(ReceiveWeights, session_id=sid, params=params, buckets=buckets), receivers)
                 got.raise_for_failures("repair (metadata)")
-                sent = await self.fleet.send(stamped(SendWeights, group_name=group, first=first, last=last), [source],
-                                             timeout=self.opts.timeout_s)
+                sent = await self._while_alive(source, self.fleet.send(
+                    stamped(SendWeights, group_name=group, first=first, last=last), [source], timeout=self.opts.timeout_s))
                 sent.raise_for_failures(f"repair (sending from {source})")
                 checksums += sent.answers[source].sent_checksums
             prepared = await self.fleet.send(
@@ -255,6 +257,25 @@ class Repairs:
                 if opened:
                     await self.fleet.send(stamped(AbortSession, session_id=sid, reason="repair failed"), receivers)
                 await self.fleet.send(stamped(LeaveTransfer, group_name=group), [*receivers, source])
+
+
+    async def _while_alive(self, source: str, call: Awaitable[T]) -> T:
+        """`call`, given up as soon as `source` leaves the registry (it died or froze: its
+        heartbeats stopped), rather than at the call's own, byte-sized deadline."""
+        result: list[T] = []
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            while source in self.fleet.registry:
+                await anyio.sleep(0.1)  # the registry has no change event of its own; a cheap poll
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            result.append(await call)
+            tg.cancel_scope.cancel()
+        if not result:
+            raise Unavailable(f"the repair source {source} left the fleet while it sent")
+        return result[0]
 
 
 def chunks(params: list[ParamMeta], buckets: list[BucketMeta]) -> Iterator[tuple[list[ParamMeta], list[BucketMeta], int, int]]:
