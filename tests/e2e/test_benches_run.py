@@ -36,11 +36,12 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
         ("delta.py", ["--size-mb", "4", "--receivers", "1", "--reps", "1", "--warmup", "1", "--bucket-mb", "1"],
          [rf"^\s+1\s+1e-06\s+{RATIO}%", rf"^\s+1\s+1e-05\s+{RATIO}%"]),
         ("control.py", ["--workers", "2", "--rounds", "2"], [rf"^\s+2\s+{RATIO}\s+{RATIO}\s+{RATIO}"]),
+        ("repair.py", ["--size-mb", "8", "--reps", "1", "--bucket-mb", "1"], [rf"^\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}$"]),
         # at a toy size a worker's fixed allocations dwarf the model: only the table is checked
         ("memory.py", ["--size-mb", "8", "--bucket-mb", "1", "--pushes", "1"],
          [rf"^staged\s+\d+Mi.*{RATIO}x", rf"^in_place\s+\d+Mi.*{RATIO}x"]),
     ],
-    ids=["transfer", "push", "push-small", "delta", "control", "memory"],
+    ids=["transfer", "push", "push-small", "delta", "control", "repair", "memory"],
 )
 def test_benchmark_script_runs_and_prints_its_ratios(script, args, expect):
     out = _run(script, *args)

@@ -122,3 +122,29 @@ async def test_server_info_names_no_repair_when_the_fleet_is_current(fleet):  # 
 def _serving(f, wid: str) -> bool:  # noqa: ANN001
     w = f.workers.get(wid)
     return w is not None and not w.withheld and wid in f.controller.registry.ids()
+
+
+async def test_a_new_worker_gets_the_committed_draft_too(nats_server, prefix):  # noqa: ANN001
+    import msgspec
+
+    from tests.fleet import SMALL
+
+    draft_kw = {"draft_config": SMALL, "num_speculative_tokens": 2}
+    async with fleet_running(nats_server.url, prefix + "repair-draft", ("d0",), weight_transfer_backend="gloo", model=MODEL,
+                             engine_kw=draft_kw) as (f, rl):
+        main, draft = trained(15), trained(16, SMALL)
+        await rl.push_weights(main, new_version("main"))
+        await rl.push_weights(draft, new_version("draft"), draft=True)
+        engine = ReferenceEngine(msgspec.structs.replace(MODEL, seed=97),
+                                 draft_config=msgspec.structs.replace(SMALL, seed=96), num_speculative_tokens=2)
+        new = await f.start_worker(engine, WorkerOptions(worker_id="d-new", subjects=f.controller.subjects, heartbeat_s=0.25,
+                                                         weight_transfer_backend="gloo"))
+        v = f.controller.version
+
+        def both_repaired() -> bool:
+            st = new.state()
+            return (st.weight_seq, st.draft_seq, st.draft_version) == (v.seq, v.draft_seq, v.draft_version) and not st.withheld
+
+        await eventually(both_repaired, timeout=30, what="main and draft repaired")
+        assert_holds(f, "d-new", main)
+        assert (await rl.verify_weights(draft, draft=True)).ok
