@@ -6,11 +6,12 @@ versions) and costs nothing else, so a benchmark built on it measures rlbus, not
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from rlbus.schemas import DEFAULT_VERSION, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas import GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.services.worker.book import Book, Labels
 from rlbus.services.worker.engine import EngineStatus, ParamSpec
 
 
@@ -20,17 +21,14 @@ class WeightlessEngine:
     def __init__(self, model_name: str = "weightless", *, sleep_mode_enabled: bool = True) -> None:
         self.model_name = model_name
         self.sleep_mode_enabled = sleep_mode_enabled
-        self.weight_version = DEFAULT_VERSION
-        self.weight_seq = 0
-        self.draft_version: str | None = None
-        self.dirty = False
-        self.draft_stale = False
-        self.spec_proposed = 0
-        self.spec_accepted = 0
+        self.book: Labels = Book()
         self._paused = False
         self._pause_mode: PauseMode | None = None
         self._sleeping: list[SleepTag] = []
         self._sleep_level = 0
+
+    def attach(self, labels: Labels) -> None:
+        self.book = labels
 
     @property
     def recovering(self) -> bool:
@@ -62,7 +60,8 @@ class WeightlessEngine:
         )
 
     async def generate(self, request: GenerateRequest) -> GenerateReply:
-        return GenerateReply(worker_id="", tokens=[], finish_reason="length", weight_version=self.weight_version)
+        return GenerateReply(worker_id="", tokens=[], finish_reason="length", weight_version=self.book.main.version,
+                             weight_seq=self.book.main.seq)
 
     async def pause(self, mode: PauseMode) -> None:
         self._paused = True
@@ -89,9 +88,10 @@ class WeightlessEngine:
         return {}
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
-        return None
+        loaded()
 
 
 class TensorEngine(WeightlessEngine):
@@ -114,7 +114,9 @@ class TensorEngine(WeightlessEngine):
         return self._params
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
         for name, t in tensors.items():
             self._params[name].copy_(t)
+        loaded()

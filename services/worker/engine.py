@@ -6,7 +6,7 @@ each method onto vLLM's pause/sleep/weight-transfer calls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import msgspec
@@ -14,6 +14,8 @@ import torch
 
 from rlbus.schemas import GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import InvalidArgument
+
+from .book import Labels
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -26,6 +28,12 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     waiting: int
     param_bytes: int
     kv_cache_bytes: int
+    draft_stale: bool = False
+    """The verifier was updated after the draft last was."""
+    spec_proposed: int = 0
+    """Draft tokens proposed since the engine started."""
+    spec_accepted: int = 0
+    """Draft tokens accepted since the engine started."""
 
 
 class ParamSpec(msgspec.Struct, frozen=True):
@@ -48,14 +56,9 @@ class Engine(Protocol):
     @property
     def supports_draft_weight_updates(self) -> bool:
         """A draft exists, speculation is on and this engine can update the draft."""
-    weight_version: str
-    weight_seq: int
-    """Commit sequence of the weights held (set beside weight_version at every commit)."""
-    draft_version: str | None
-    dirty: bool
-    draft_stale: bool
-    spec_proposed: int
-    spec_accepted: int
+
+    def attach(self, labels: Labels) -> None:
+        """Label generated tokens from these books (the worker's own, read-only here)."""
 
     @property
     def recovering(self) -> bool:
@@ -85,10 +88,14 @@ class Engine(Protocol):
         """Live parameter tensors (receive in place into these)."""
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
         """Copy tensors into the model between forward steps. `written`: parameters already
-        written in place (in_place mode); together they may complete a level-2 reload."""
+        written in place (in_place mode); together they may complete a level-2 reload.
+        `loaded()` is called once the new weights are in place and before any forward step
+        runs on them (the worker records the commit there, so tokens are labelled by the
+        weights that produced them); not at all if the load fails."""
 
 
 def check_generate_request(req: GenerateRequest, *, vocab_size: int, max_len: int, max_len_name: str) -> None:

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import anyio
 import torch
 
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
-from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas import SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 
+from .book import Book, Labels
 from .changes import Changes
 from .engine import EngineStatus, ParamSpec, check_generate_request
 from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
@@ -125,10 +126,8 @@ class ReferenceEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self.stale_draft_policy = stale_draft_policy
         self._draft_updates_supported = draft_updates_supported
-        self.weight_version = DEFAULT_VERSION
-        self.weight_seq = 0
-        self.draft_version: str | None = DEFAULT_VERSION if self.draft else None
-        self.dirty = False
+        self.book: Labels = Book()
+        """Where tokens get their labels: the worker's books once it attaches them."""
         self.draft_stale = False
         """The verifier was updated after the draft last was."""
         self.spec_proposed = 0
@@ -147,6 +146,9 @@ class ReferenceEngine:
         self._weights_loaded = True
 
     # ---- identity ----------------------------------------------------------------------
+
+    def attach(self, labels: Labels) -> None:
+        self.book = labels
 
     @property
     def model(self) -> TinyLM:
@@ -189,6 +191,9 @@ class ReferenceEngine:
             waiting=self._waiting,
             param_bytes=sum(p.param_bytes for p in self._parts()),
             kv_cache_bytes=sum(p.kv.nbytes for p in self._parts()),
+            draft_stale=self.draft_stale,
+            spec_proposed=self.spec_proposed,
+            spec_accepted=self.spec_accepted,
         )
 
     def _refuse_if_unservable(self) -> None:
@@ -197,7 +202,7 @@ class ReferenceEngine:
             raise FailedPrecondition(f"engine is asleep ({asleep}); call wake_up() before generating")
         if not self._weights_loaded:
             raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
-        if self.dirty:
+        if self.book.dirty:
             raise FailedPrecondition("weights are half-updated after an aborted in-place update; push weights again")
 
     def _speculating(self, request: GenerateRequest) -> bool:
@@ -242,7 +247,7 @@ class ReferenceEngine:
         self._refuse_if_unservable()
 
     async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateReply:
-        version, seq, draft_version = self.weight_version, self.weight_seq, self.draft_version
+        version, seq, draft_version = self.book.main.version, self.book.main.seq, self.book.draft.version
         gen = None
         if request.temperature > 0:
             gen = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
@@ -419,7 +424,8 @@ class ReferenceEngine:
         return {n: p.data for n, p in self._part(target).model.named_parameters()}
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
         part = self._part(target)
         async with self._model_lock:
@@ -437,5 +443,6 @@ class ReferenceEngine:
                     self.draft_stale = True
             elif covered:
                 self.draft_stale = False
+            loaded()  # still under the model lock: no step runs on these weights before it
         self._changes.notify()
 

@@ -60,6 +60,7 @@ from rlbus.bus.connection import request
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
+from .book import Book
 from .engine import Engine
 from .updates import WeightUpdates
 
@@ -93,22 +94,17 @@ class WorkerService:
         self.opts = options
         self.subjects = options.subjects
         self.id = options.worker_id
-        self.epoch = 0
-        """Highest controller epoch seen; commands from older epochs are refused (fencing)."""
+        self.book = Book()
+        """What it holds and how it stands: the one owner of the worker's bookkeeping."""
+        engine.attach(self.book)
         self._micro: Service | None = None
         self._stop = anyio.Event()
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self._endpoints = Endpoints(self._tg, f"worker {self.id}")
-        self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
-        self.withheld = True
-        """Takes no rl.generate traffic: until a controller has synced it (brought it to the
-        fleet's desired state), while it is behind the committed version, and after it finds
-        it was silent longer than the controller's liveness timeout (it may have been dropped)."""
+        self.updates = WeightUpdates(engine, self.book, options.weight_transfer_backend, options.update_mode)
         self._liveness_s = 3.0
         self._recovering = False
         """The engine was seen recovering from a failed load (see _follow_recovery)."""
-        self.controller_id = ""
-        """The controller that last synced this worker."""
         self._last_beat = time.monotonic()
         self._generate_service: Service | None = None
 
@@ -127,24 +123,22 @@ class WorkerService:
         )
 
     def state(self) -> WorkerState:
-        e = self.engine
+        """What the engine reports of the model, the books, and the open session."""
+        e, b = self.engine, self.book
         return WorkerState(
             worker_id=self.id,
             **msgspec.structs.asdict(e.status()),
-            epoch=self.epoch,
-            controller_id=self.controller_id,
-            weight_version=e.weight_version,
-            weight_seq=e.weight_seq,
-            draft_version=e.draft_version,
-            draft_seq=self.updates.draft_seq,
-            dirty=e.dirty,
-            withheld=self.withheld,
+            epoch=b.epoch,
+            controller_id=b.controller_id,
+            weight_version=b.main.version,
+            weight_seq=b.main.seq,
+            draft_version=b.draft.version if e.has_draft_model else None,
+            draft_seq=b.draft.seq,
+            dirty=b.dirty or e.recovering,  # a vLLM restarting after a failed load is dirty too
+            withheld=b.withheld,
             session_id=self.updates.session_id,
             transfer_ready=self.updates.transfer_ready,
             transfer_group=self.updates.init.group_name if self.updates.init else None,
-            draft_stale=e.draft_stale,
-            spec_proposed=e.spec_proposed,
-            spec_accepted=e.spec_accepted,
         )
 
     def ack(self) -> WorkerAck:
@@ -246,7 +240,7 @@ class WorkerService:
     async def _heartbeat(self) -> None:
         while True:
             await anyio.sleep(self.opts.heartbeat_s)
-            if self._silent_too_long() and not self.withheld:
+            if self._silent_too_long() and not self.book.withheld:
                 log.warning("worker %s was silent %.1fs: no generation until the controller reconciles it",
                             self.id, time.monotonic() - self._last_beat)
                 await self._withhold(True)
@@ -267,8 +261,8 @@ class WorkerService:
         except DecodeError:
             return
         if isinstance(hello, ControllerHello):
-            if hello.epoch > self.epoch:  # a newer controller: fence the older one out at once
-                self.epoch, self.controller_id = hello.epoch, hello.controller_id
+            if hello.epoch > self.book.epoch:  # a newer controller: fence the older one out at once
+                self.book.follow(hello.controller_id, hello.epoch)
             # an equal epoch from another controller is not adopted: announcing (epoch, controller)
             # as they are tells that controller its epoch was already used (its state was lost)
             await self.announce()
@@ -300,12 +294,12 @@ class WorkerService:
 
     def _fenced(self, handler: Handler) -> Handler:
         async def run(cmd: WorkerCommand) -> object:
-            if cmd.epoch < self.epoch:
+            if cmd.epoch < self.book.epoch:
                 raise FailedPrecondition(
-                    f"command from controller epoch {cmd.epoch} refused: epoch {self.epoch} has taken over"
+                    f"command from controller epoch {cmd.epoch} refused: epoch {self.book.epoch} has taken over"
                 )
             result = await handler(cmd)
-            self.epoch = max(self.epoch, cmd.epoch)  # only a command that ran moves the fence
+            self.book.obey(cmd.epoch)  # only a command that ran moves the fence
             return result
 
         return run
@@ -338,7 +332,7 @@ class WorkerService:
 
     async def _open_session(self, cmd: OpenSession) -> WorkerAck:
         if cmd.base_seq is not None and self.updates.session_id != cmd.session_id:
-            problem = self.updates.base_problem(cmd.target, cmd.base_seq, self.withheld)
+            problem = self.updates.base_problem(cmd.target, cmd.base_seq)
             if problem:
                 raise FailedPrecondition(f"worker {self.id} cannot apply a delta: {problem}; push dense weights")
         self.updates.start(cmd.session_id, cmd.target, cmd.base_seq)
@@ -359,15 +353,12 @@ class WorkerService:
     async def _commit(self, cmd: Commit) -> WorkerAck:
         target = self.updates.session.target if self.updates.session else "main"
         try:
-            await self.updates.commit(cmd.session_id, cmd.weight_version)
+            await self.updates.commit(cmd.session_id, cmd.weight_version, cmd.seq)
         except Exception:
             await self._follow_recovery()  # a failed load: out of the generate queue at once
             raise
         if target == "main":
-            self.engine.weight_seq = cmd.seq  # no await since the commit: replies see both at once
             await self._withhold(False)  # it holds the committed weights now
-        else:
-            self.updates.draft_seq = cmd.seq
         return self.ack()
 
     async def _abort_session(self, cmd: AbortSession) -> WorkerAck:
@@ -375,8 +366,7 @@ class WorkerService:
         return self.ack()
 
     async def _set_version(self, cmd: SetVersion) -> WorkerAck:
-        self.updates.set_version(cmd.new_version)
-        self.engine.weight_seq = cmd.seq
+        self.updates.set_version(cmd.new_version, cmd.seq)
         await self._withhold(False)
         return self.ack()
 
@@ -384,7 +374,7 @@ class WorkerService:
         """Take the fleet's desired state, then generation traffic if it holds the committed version."""
         self._liveness_s = cmd.liveness_s
         self._last_beat = time.monotonic()
-        self.controller_id = cmd.controller_id
+        self.book.follow(cmd.controller_id)
         want, status = cmd.desired, self.engine.status()
         if want.paused and (not status.paused or status.pause_mode != want.pause_mode):
             await self.engine.pause(want.pause_mode or "abort")
@@ -398,18 +388,15 @@ class WorkerService:
         to_wake = [t for t in status.sleeping_tags if t not in want.sleeping_tags]
         if to_wake:
             await self.engine.wake_up(to_wake)
-        current = self.engine.weight_version == cmd.committed_version
-        if current:
-            self.engine.weight_seq = cmd.seq
+        current = self.book.take_seq(cmd.committed_version, cmd.seq)
         await self._withhold(not current)
         return self.ack()
 
     async def _withhold(self, behind: bool) -> None:
         """Withhold this worker from generation while it is behind the committed version."""
-        if behind != self.withheld:
+        if self.book.withhold(behind):
             log.log(logging.WARNING if behind else logging.INFO, "worker %s %s", self.id,
                     "withheld: no generation until it holds the committed weights" if behind else "serves generation")
-        self.withheld = behind
         await self._serve_generation(not behind)
 
     async def _serve_generation(self, on: bool) -> None:
@@ -440,7 +427,7 @@ class WorkerService:
         except DecodeError as e:
             raise ServiceError(UNDECODABLE_STATUS, f"undecodable generate payload: {e}") from None
 
-        if self.withheld or self._silent_too_long():  # delivered before it left the queue group
+        if self.book.withheld or self._silent_too_long():  # delivered before it left the queue group
             await req.respond(encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack()))
             return
 

@@ -185,7 +185,7 @@ async def test_a_worker_whose_node_is_killed_reconnects_and_is_reconciled(fleet,
             with anyio.fail_after(60):
                 ack = await rl.push_weights(trained(86), version)
             assert "wx" in [x.worker_id for x in ack.workers]
-            assert w.engine.weight_version == version
+            assert w.book.main.version == version
         finally:
             await own.close()
             home.start_again()

@@ -160,7 +160,7 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
             assert len(got) == len(set(got)) and got == [c for c in committed if c in got], f"{p.node.url}: {got}"
             assert [v.seq for v in p.seen] == sorted({v.seq for v in p.seen}), "commit sequences strictly increase"
     for wid in WORKERS:
-        assert f.workers[wid].engine.weight_version == last
+        assert f.workers[wid].book.main.version == last
         assert_holds(f, wid, holds)
     took = time.monotonic() - started
     print(f"\ncluster soak (seed {SEED}): {dict(Counter(plan))}, {len(committed)} commits, failures {dict(failures)}, "

@@ -206,7 +206,7 @@ async def _assert_unchanged(fleet, rl, named) -> None:  # noqa: ANN001
     assert not await rl.is_paused() and not await rl.is_sleeping()
     for wid in fleet.workers:
         assert_holds(fleet, wid, named)
-        assert fleet.workers[wid].engine.weight_version == VERSION
+        assert fleet.workers[wid].book.main.version == VERSION
     assert info.weight_version == VERSION
     assert await rl.get_weight_version() == VERSION
     assert await first_watched_version(rl) == VERSION
@@ -264,11 +264,9 @@ async def test_a_refused_worker_command_from_a_future_epoch_does_not_fence_out_t
     epoch = (await rl.server_info()).epoch
     msg = await _ask(rl, rl.subjects.worker("w0", "prepare"), encode(PrepareCommit(session_id="nope", epoch=epoch + 1000, command_id="future")))
     assert isinstance(reply_decoder.decode(msg.data), Nack)
-    try:
-        await rl.pause("wait")  # the real controller must still command w0
-        await rl.resume()
-    finally:
-        f.workers["w0"].epoch = epoch  # repair, so later tests see the real fleet
+    assert f.workers["w0"].book.epoch == epoch, "a refused command moved the worker's fence"
+    await rl.pause("wait")  # the real controller must still command w0
+    await rl.resume()
     await _assert_unchanged(f, rl, named)
 
 
@@ -277,8 +275,5 @@ async def test_a_worker_refuses_an_invalid_version_sent_to_it_directly(fleet):
     epoch = (await rl.server_info()).epoch
     msg = await _ask(rl, rl.subjects.worker("w0", "update_weight_version"), encode(SetVersion(new_version="", epoch=epoch, command_id="empty-version")))
     reply = reply_decoder.decode(msg.data)
-    try:
-        assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT", reply
-        assert f.workers["w0"].engine.weight_version == VERSION
-    finally:
-        f.workers["w0"].updates.set_version(VERSION)  # repair, so later checks see the real fleet
+    assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT", reply
+    assert f.workers["w0"].book.main.version == VERSION

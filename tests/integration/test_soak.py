@@ -192,9 +192,9 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
         for wid, w in f.workers.items():
             assert w.updates.session_id is None, f"{wid} {where}"
             if wid in behind:
-                assert w.engine.weight_version != want, f"{wid} {where}"
+                assert w.book.main.version != want, f"{wid} {where}"
             else:
-                assert w.engine.weight_version == want, f"{wid} {where}"
+                assert w.book.main.version == want, f"{wid} {where}"
                 assert_holds(f, wid, holds)
         # no reply from weights other than the committed ones: version, sequence and tokens
         if everyone_behind:  # nobody may serve: the request finds no responders (short deadline)

@@ -27,7 +27,7 @@ import math
 import os
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ import torch
 from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
 
+from ..book import Book, Labels
 from ..changes import Changes
 from ..engine import EngineStatus, ParamSpec, check_generate_request
 from . import checkpoint
@@ -126,13 +127,12 @@ class VllmEngine:
         self.main = _Part(options.model)
         self.draft = _Part(options.draft_model) if options.draft_model else None
         self.llm: Any = _NotStarted()
-        self.weight_seq = 0
-        self.weight_version = DEFAULT_VERSION
-        """Set by the worker at each commit; vLLM's own label follows before the next request."""
+        self.book: Labels = Book()
+        """The worker's books (once it attaches them): the labels of the weights vLLM runs.
+        vLLM's own label follows the main version before the next request."""
         self._vllm_version: str | None = None
         """What vLLM's own get_weight_version() says (set lazily: see _sync_vllm_version)."""
-        self.draft_version: str | None = DEFAULT_VERSION if self.draft else None
-        self.dirty = False
+        self._restarting = False
         """vLLM failed a load and is restarting from the committed weights: nothing is served."""
         self.draft_stale = False
         self.spec_proposed = 0
@@ -203,9 +203,12 @@ class VllmEngine:
 
     # ---- identity ----------------------------------------------------------------------
 
+    def attach(self, labels: Labels) -> None:
+        self.book = labels
+
     @property
     def recovering(self) -> bool:
-        return self.dirty
+        return self._restarting
 
     @property
     def has_draft_model(self) -> bool:
@@ -225,11 +228,14 @@ class VllmEngine:
             pause_mode=self._pause_mode,
             sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping],
             sleep_level=self._sleep_level,
-            weights_loaded=not self.dirty and not self._discarded,
+            weights_loaded=not self._restarting and not self._discarded,
             in_flight=self._busy(),
             waiting=self._gate_waiting + (len(self._requests) - self.decoding() if self._paused else 0),
             param_bytes=self.main.nbytes + (self.draft.nbytes if self.draft else 0),
             kv_cache_bytes=0 if "kv_cache" in self._sleeping else self._kv_bytes,
+            draft_stale=self.draft_stale,
+            spec_proposed=self.spec_proposed,
+            spec_accepted=self.spec_accepted,
         )
 
     # ---- generation --------------------------------------------------------------------
@@ -238,10 +244,10 @@ class VllmEngine:
         check_generate_request(req, vocab_size=self.vocab_size, max_len=self.max_model_len, max_len_name="vLLM's max_model_len")
 
     def _refuse_if_unservable(self) -> None:
-        if self.dirty:
+        if self._restarting:
             raise Unavailable(
                 "vLLM failed to load weights and is restarting from the last committed weights "
-                f"({self.weight_version}); retry"
+                f"({self.book.main.version}); retry"
             )
         if self._discarded:
             raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
@@ -316,7 +322,8 @@ class VllmEngine:
                     # vLLM admitted it (its first output): the weights serving it are the ones
                     # held now. A request vLLM queued behind a pause (and a load) starts later.
                     req.started = True
-                    req.stamp = (self.weight_version, self.weight_seq, self.draft_version)
+                    main = self.book.main
+                    req.stamp = (main.version, main.seq, self.book.draft.version)
                     self._changes.notify()
                 final = out
         except EngineDeadError:
@@ -338,8 +345,8 @@ class VllmEngine:
         """Keep vLLM's own weight version (get_weight_version) equal to rlbus's committed one.
         The version is set by the worker right after load_weights returns, so it reaches
         vLLM before the next request rather than inside the load."""
-        if self._vllm_version != self.weight_version and not isinstance(self.llm, _NotStarted):
-            version = self.weight_version
+        if self._vllm_version != self.book.main.version and not isinstance(self.llm, _NotStarted):
+            version = self.book.main.version
             await self.llm.update_weight_version(version)
             self._vllm_version = version
 
@@ -420,7 +427,8 @@ class VllmEngine:
         return self._part(target).committed
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
         if written:
             raise FailedPrecondition("a vLLM worker receives into staged buffers only; start it with --update-mode staged")
@@ -430,9 +438,9 @@ class VllmEngine:
             raise InvalidArgument(f"{len(problems)} tensors do not match the {target} checkpoint: {', '.join(problems[:20])}")
         if "weights" in self._sleeping:
             raise FailedPrecondition("weights are asleep; wake_up(tags=['weights']) before loading")
-        await self._load(target, {**part.committed, **tensors})
+        await self._load(target, {**part.committed, **tensors}, loaded)
 
-    async def _load(self, target: UpdateTarget, merged: dict[str, torch.Tensor]) -> None:
+    async def _load(self, target: UpdateTarget, merged: dict[str, torch.Tensor], loaded: Callable[[], None]) -> None:
         """Hand the whole model (committed weights overlaid with the update) to vLLM's lifecycle.
 
         New requests wait and in-flight ones finish first (unless frozen by pause(keep)), so
@@ -441,8 +449,8 @@ class VllmEngine:
 
         part = self._part(target)
         async with self._load_lock:
-            if self.dirty:
-                await self._changes.until(lambda: not self.dirty)  # a restart is bringing vLLM back
+            if self._restarting:
+                await self._changes.until(lambda: not self._restarting)  # a restart is bringing vLLM back
             path = Path(STAGING_DIR) / f"rlbus-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
             await anyio.to_thread.run_sync(checkpoint.write_tensors, path, merged)
             self._loading = True
@@ -466,8 +474,9 @@ class VllmEngine:
                     self._failed(e)
                     raise Internal(
                         f"vLLM failed to load the {target} weights ({type(e).__name__}: {str(e)[:300]}); this worker serves "
-                        f"nothing until vLLM has restarted from the last committed weights ({self.weight_version})"
+                        f"nothing until vLLM has restarted from the last committed weights ({self.book.main.version})"
                     ) from None
+                loaded()  # new requests still wait (and frozen ones stay frozen): none ran on them yet
             finally:
                 self._loading = False
                 self._changes.notify()
@@ -482,8 +491,9 @@ class VllmEngine:
     def _failed(self, error: BaseException) -> None:
         """vLLM's engine is dead or half-written: stop serving and restart it from the
         committed weights (kept here), in the background."""
-        log.error("vLLM failed a weight load (%s); restarting it from the committed weights (%s)", error, self.weight_version)
-        self.dirty = True
+        log.error("vLLM failed a weight load (%s); restarting it from the committed weights (%s)", error,
+                  self.book.main.version)
+        self._restarting = True
         self._changes.notify()
         if self._restart is None or self._restart.done():
             self._restart = asyncio.get_running_loop().create_task(self._recover())
@@ -510,8 +520,8 @@ class VllmEngine:
             if self._paused:
                 await self.llm.pause_generation(mode=self._pause_mode or "abort", clear_cache=False)
             self.restarts += 1
-            self.dirty = False
-            log.warning("vLLM restarted from the committed weights (%s); serving again", self.weight_version)
+            self._restarting = False
+            log.warning("vLLM restarted from the committed weights (%s); serving again", self.book.main.version)
         finally:
             # vLLM has read its checkpoint by now; the restart folders are not needed any more
             import shutil
@@ -521,7 +531,7 @@ class VllmEngine:
 
     async def wait_recovered(self) -> None:
         """Return once no restart is pending (tests, and callers that want to wait instead of retrying)."""
-        await self._changes.until(lambda: not self.dirty)
+        await self._changes.until(lambda: not self._restarting)
 
 
 def _mismatches(specs: Mapping[str, ParamSpec], tensors: Mapping[str, torch.Tensor]) -> list[str]:
