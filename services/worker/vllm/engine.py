@@ -1,4 +1,4 @@
-"""VllmEngine: vLLM's AsyncLLM behind the Engine protocol.
+"""VllmEngine: vLLM's AsyncLLM on the Engine base.
 
 Generation, pause modes, sleep/wake and weight loading all go through vLLM's own RL API
 (`pause_generation`/`resume_generation`, `sleep`/`wake_up`, `start_weight_update` /
@@ -35,12 +35,10 @@ import anyio
 import msgspec
 import torch
 
-from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas import DEFAULT_VERSION, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
 
-from ..book import Book, Labels
-from ..changes import Changes
-from ..engine import EngineStatus, ParamSpec, check_generate_request
+from ..engine import Engine, ParamSpec, check_generate_request
 from . import checkpoint
 from .plugin import BACKEND
 
@@ -118,43 +116,33 @@ class _NotStarted:
         raise Unavailable("vLLM is not running on this worker (starting or restarting); retry")
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """The adapter. Create with `await VllmEngine.start(options)`; `await engine.close()` at the end."""
 
+    sleeps_tags_together = True
+    sleep_off_hint = ("vLLM refuses enable_sleep_mode on this platform, or the worker was started without it: "
+                      "--vllm-arg enable_sleep_mode=true on a GPU host")
+
     def __init__(self, options: VllmOptions) -> None:
+        super().__init__(options.model_name or Path(options.model).name, sleep_mode_enabled=False)
         self.options = options
-        self.model_name = options.model_name or Path(options.model).name
         self.main = _Part(options.model)
         self.draft = _Part(options.draft_model) if options.draft_model else None
         self.llm: Any = _NotStarted()
-        self.book: Labels = Book()
-        """The worker's books (once it attaches them): the labels of the weights vLLM runs.
-        vLLM's own label follows the main version before the next request."""
         self._vllm_version: str | None = None
         """What vLLM's own get_weight_version() says (set lazily: see _sync_vllm_version)."""
         self._restarting = False
         """vLLM failed a load and is restarting from the committed weights: nothing is served."""
-        self.draft_stale = False
-        self.spec_proposed = 0
-        self.spec_accepted = 0
-        self.sleep_mode_enabled = False
         self.vocab_size = 0
         self.max_model_len = 0
         self._kv_bytes = 0
         self._draft_k = 0
         self._requests: set[_Request] = set()
         """Submitted to vLLM and not answered yet."""
-        self._gate_waiting = 0
-        """Held by rlbus before vLLM (paused, or a load in progress)."""
-        self._paused = False
-        self._pause_mode: PauseMode | None = None
         self._loading = False
         """A load is in progress: new requests wait (so no reply mixes two weight versions)."""
-        self._sleeping: set[SleepTag] = set()
-        self._sleep_level = 0
         self._discarded = False
         """A level-2 sleep discarded vLLM's weights; generation is refused until a load."""
-        self._changes = Changes()
         self._load_lock = anyio.Lock()
         self._restart: asyncio.Task[None] | None = None
         self.restarts = 0
@@ -203,9 +191,6 @@ class VllmEngine:
 
     # ---- identity ----------------------------------------------------------------------
 
-    def attach(self, labels: Labels) -> None:
-        self.book = labels
-
     @property
     def recovering(self) -> bool:
         return self._restarting
@@ -222,51 +207,37 @@ class VllmEngine:
     def num_params(self) -> int:
         return sum(math.prod(s.shape) for s in self.main.specs.values())
 
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            paused=self._paused,
-            pause_mode=self._pause_mode,
-            sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping],
-            sleep_level=self._sleep_level,
-            weights_loaded=not self._restarting and not self._discarded,
-            in_flight=self._busy(),
-            waiting=self._gate_waiting + (len(self._requests) - self.decoding() if self._paused else 0),
-            param_bytes=self.main.nbytes + (self.draft.nbytes if self.draft else 0),
-            kv_cache_bytes=0 if "kv_cache" in self._sleeping else self._kv_bytes,
-            draft_stale=self.draft_stale,
-            spec_proposed=self.spec_proposed,
-            spec_accepted=self.spec_accepted,
-        )
+    @property
+    def weights_loaded(self) -> bool:
+        return not self._restarting and not self._discarded
+
+    @property
+    def param_bytes(self) -> int:
+        return self.main.nbytes + (self.draft.nbytes if self.draft else 0)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if "kv_cache" in self._sleeping else self._kv_bytes
+
+    def _active(self) -> int:
+        return len(self._requests)
+
+    def _in_flight(self) -> int:
+        return self._busy()
+
+    def _held_back(self) -> int:
+        return len(self._requests) - self.decoding() if self._paused else 0
 
     # ---- generation --------------------------------------------------------------------
 
     def _check_request(self, req: GenerateRequest) -> None:
         check_generate_request(req, vocab_size=self.vocab_size, max_len=self.max_model_len, max_len_name="vLLM's max_model_len")
 
-    def _refuse_if_unservable(self) -> None:
-        if self._restarting:
-            raise Unavailable(
-                "vLLM failed to load weights and is restarting from the last committed weights "
-                f"({self.book.main.version}); retry"
-            )
-        if self._discarded:
-            raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
-        if self._sleeping:
-            raise FailedPrecondition(f"engine is asleep ({', '.join(sorted(self._sleeping))}); call wake_up() before generating")
-
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         if self.vocab_size:
             self._check_request(request)
         self._refuse_if_unservable()
-        if self._paused or self._loading:  # new requests wait for resume in every pause mode
-            self._gate_waiting += 1
-            self._changes.notify()
-            try:
-                await self._changes.until(lambda: not self._paused and not self._loading)
-            finally:
-                self._gate_waiting -= 1
-                self._changes.notify()
-            self._refuse_if_unservable()
+        await self._wait_until_open(lambda: self._loading)
         await self._sync_vllm_version()
         req = _Request()
         self._requests.add(req)
@@ -352,15 +323,7 @@ class VllmEngine:
 
     # ---- pause / resume ----------------------------------------------------------------
 
-    async def pause(self, mode: PauseMode) -> None:
-        if mode not in ("abort", "wait", "keep"):
-            raise InvalidArgument(f"unknown pause mode {mode!r}; use abort, wait or keep")
-        if self._paused and mode != "abort":
-            return  # idempotent; a second abort still ends frozen requests
-        self._paused = True
-        if mode == "abort" or self._pause_mode is None:
-            self._pause_mode = mode
-        self._changes.notify()
+    async def _on_pause(self, mode: PauseMode) -> None:
         if isinstance(self.llm, _NotStarted):
             return  # restarting: nothing is in flight
         # clear_cache=False: keep mode must keep the frozen requests' KV cache
@@ -368,45 +331,19 @@ class VllmEngine:
         if mode != "keep":
             await self._changes.until(lambda: self.decoding() == 0)  # vLLM drained them; their replies are on their way
 
-    async def resume(self) -> None:
-        if not self._paused:
-            return
+    async def _on_resume(self) -> None:
         if not isinstance(self.llm, _NotStarted):
             await self.llm.resume_generation()
-        self._paused = False
-        self._pause_mode = None
-        self._changes.notify()
 
     # ---- sleep / wake ------------------------------------------------------------------
 
-    async def sleep(self, level: int, tags: list[SleepTag]) -> None:
-        if not self.sleep_mode_enabled:
-            raise FailedPrecondition(
-                "sleep mode is off in this vLLM engine (vLLM refuses enable_sleep_mode on this platform, or the worker "
-                "was started without it: --vllm-arg enable_sleep_mode=true on a GPU host)"
-            )
-        if level not in (1, 2):
-            raise InvalidArgument(f"sleep level must be 1 or 2, not {level}")
-        if self._requests:
-            raise FailedPrecondition(f"{len(self._requests)} requests are in flight; pause with mode='abort' or 'wait' before sleeping")
-        if set(tags) != set(SLEEP_TAGS):
-            raise FailedPrecondition("vLLM sleeps weights and KV cache together; sleep with tags=None (both)")
+    async def _on_sleep(self, level: int, tags: list[SleepTag]) -> None:
         await self.llm.sleep(level)
-        self._sleeping |= set(SLEEP_TAGS)
-        self._sleep_level = level
-        self._changes.notify()
 
-    async def wake_up(self, tags: list[SleepTag]) -> None:
-        todo = [t for t in tags if t in self._sleeping]
-        if not todo:
-            return
-        await self.llm.wake_up(list(todo))
-        if "weights" in todo and self._sleep_level == 2:
+    async def _on_wake(self, tags: list[SleepTag]) -> None:
+        await self.llm.wake_up(list(tags))
+        if "weights" in tags and self._sleep_level == 2:
             self._discarded = True  # level 2 dropped vLLM's weights: a push must come first
-        self._sleeping -= set(todo)
-        if not self._sleeping:
-            self._sleep_level = 0
-        self._changes.notify()
 
     # ---- weights -----------------------------------------------------------------------
 
