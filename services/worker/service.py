@@ -24,6 +24,7 @@ from rlbus.schemas import (
     AbortSession,
     Backend,
     Capabilities,
+    FleetState,
     Commit,
     ControllerHello,
     FailedPrecondition,
@@ -304,24 +305,52 @@ class WorkerService:
 
         return run
 
+    # ---- pause, sleep and their opposites: one way to the state asked for -----------------
+
+    def _held_state(self) -> FleetState:
+        """Where the engine stands, as a target: a command changes one part of it."""
+        st = self.engine.status()
+        return FleetState(paused=st.paused, pause_mode=st.pause_mode, sleep_level=st.sleep_level,
+                          sleeping_tags=st.sleeping_tags)
+
+    async def converge(self, want: FleetState) -> None:
+        """Bring the engine to `want`: paused in its mode (or running), the parts asleep that it
+        names and no others. Every pause, resume, sleep and wake goes through here, commanded
+        one at a time or synced as a whole (the fleet's desired state)."""
+        held = self.engine.status()
+        if want.paused and (not held.paused or held.pause_mode != want.pause_mode):
+            await self.engine.pause(want.pause_mode or "abort")
+        elif not want.paused and held.paused:
+            await self.engine.resume()
+        to_sleep = [t for t in want.sleeping_tags if t not in held.sleeping_tags]
+        if to_sleep:
+            await self.engine.sleep(want.sleep_level or 1, to_sleep)
+            if "weights" in to_sleep:
+                self.updates.abort("")  # an update session cannot survive its weights going to sleep
+        to_wake = [t for t in held.sleeping_tags if t not in want.sleeping_tags]
+        if to_wake:
+            await self.engine.wake_up(to_wake)
+
     async def _pause(self, cmd: PauseWorker) -> WorkerAck:
-        await self.engine.pause(cmd.mode)
+        await self.converge(msgspec.structs.replace(self._held_state(), paused=True, pause_mode=cmd.mode))
         return self.ack()
 
     async def _resume(self, cmd: ResumeWorker) -> WorkerAck:
-        await self.engine.resume()
+        await self.converge(msgspec.structs.replace(self._held_state(), paused=False, pause_mode=None))
         return self.ack()
 
     async def _sleep(self, cmd: SleepWorker) -> WorkerAck:
-        tags = _tags(cmd.tags)
-        await self.engine.sleep(cmd.level, tags)
-        if "weights" in tags:
-            self.updates.abort("")  # an update session cannot survive its weights going to sleep
+        held, tags = self._held_state(), _tags(cmd.tags)
+        asleep = [t for t in SLEEP_TAGS if t in tags or t in held.sleeping_tags]
+        await self.converge(msgspec.structs.replace(held, sleep_level=cmd.level, sleeping_tags=asleep))
         return self.ack()
 
     async def _wake_up(self, cmd: WakeWorker) -> WorkerAck:
-        await self.engine.wake_up(_tags(cmd.tags))
+        held, tags = self._held_state(), _tags(cmd.tags)
+        await self.converge(msgspec.structs.replace(held, sleeping_tags=[t for t in held.sleeping_tags if t not in tags]))
         return self.ack()
+
+    # ---- the other commands -----------------------------------------------------------------
 
     async def _status(self, cmd: GetStatus) -> WorkerAck:
         return self.ack()
@@ -375,19 +404,7 @@ class WorkerService:
         self._liveness_s = cmd.liveness_s
         self._last_beat = time.monotonic()
         self.book.follow(cmd.controller_id)
-        want, status = cmd.desired, self.engine.status()
-        if want.paused and (not status.paused or status.pause_mode != want.pause_mode):
-            await self.engine.pause(want.pause_mode or "abort")
-        elif not want.paused and status.paused:
-            await self.engine.resume()
-        to_sleep = [t for t in want.sleeping_tags if t not in status.sleeping_tags]
-        if to_sleep:
-            await self.engine.sleep(want.sleep_level or 1, to_sleep)
-            if "weights" in to_sleep:
-                self.updates.abort("")  # no session survives its weights going to sleep
-        to_wake = [t for t in status.sleeping_tags if t not in want.sleeping_tags]
-        if to_wake:
-            await self.engine.wake_up(to_wake)
+        await self.converge(cmd.desired)
         current = self.book.take_seq(cmd.committed_version, cmd.seq)
         await self._withhold(not current)
         return self.ack()
