@@ -36,30 +36,30 @@ class SleepWorker(WorkerCommand, frozen=True, kw_only=True, tag="sleep"):
     """None = all."""
 
 
-class WakeWorker(WorkerCommand, frozen=True, kw_only=True, tag="wake_up"):
+class WakeUpWorker(WorkerCommand, frozen=True, kw_only=True, tag="wake_up"):
     tags: list[SleepTag] | None = None
     """None = all."""
 
 
-class GetStatus(WorkerCommand, frozen=True, kw_only=True, tag="status"):
+class StatusWorker(WorkerCommand, frozen=True, kw_only=True, tag="status"):
     """Report state (no change)."""
 
 
-class JoinTransfer(WorkerCommand, frozen=True, kw_only=True, tag="init_weight_transfer"):
+class InitWeightTransferWorker(WorkerCommand, frozen=True, kw_only=True, tag="init_weight_transfer"):
     init_info: TransferInit
     """The trainer's rendezvous."""
     rank: int
     """This worker's rank in the group."""
 
 
-class OpenSession(WorkerCommand, frozen=True, kw_only=True, tag="start_weight_update"):
+class StartWeightUpdateWorker(WorkerCommand, frozen=True, kw_only=True, tag="start_weight_update"):
     session_id: str
     target: UpdateTarget
     base_seq: int | None = None
     """A delta session's base (StartWeightUpdate.base_seq): refused unless the worker holds exactly it."""
 
 
-class ReceiveWeights(WorkerCommand, frozen=True, kw_only=True, tag="update_weights"):
+class UpdateWeightsWorker(WorkerCommand, frozen=True, kw_only=True, tag="update_weights"):
     session_id: str
     params: list[ParamMeta]
     buckets: list[BucketMeta]
@@ -67,7 +67,7 @@ class ReceiveWeights(WorkerCommand, frozen=True, kw_only=True, tag="update_weigh
     """Check names, dtypes and shapes only; start no receive."""
 
 
-class PrepareCommit(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
+class PrepareWorker(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
     """Phase 1 of finish: report staged and verified."""
 
     session_id: str
@@ -77,7 +77,7 @@ class PrepareCommit(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
     """FinishWeightUpdate.tensor_checksums: the full resulting tensors of a delta session."""
 
 
-class Commit(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
+class CommitWorker(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
     """Phase 2 of finish: apply staged weights, take the version."""
 
     session_id: str
@@ -87,19 +87,19 @@ class Commit(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
     """The commit sequence the committed weights take (of the main or the draft model)."""
 
 
-class AbortSession(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
+class AbortWeightUpdateWorker(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
     session_id: str
     """The session to drop; empty = whichever is open."""
     reason: str = ""
 
 
-class SetVersion(WorkerCommand, frozen=True, kw_only=True, tag="update_weight_version"):
+class UpdateWeightVersionWorker(WorkerCommand, frozen=True, kw_only=True, tag="update_weight_version"):
     new_version: str
     seq: int = 0
     """The commit sequence the version takes."""
 
 
-class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
+class SyncWorker(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     """After the worker's handshake: the committed version. A worker on an older one is
     stale: it takes no rl.generate traffic until it has received current weights."""
 
@@ -120,14 +120,14 @@ AnyWorkerCommand = Union[
     PauseWorker,
     ResumeWorker,
     SleepWorker,
-    WakeWorker,
-    GetStatus,
-    JoinTransfer,
-    OpenSession,
-    ReceiveWeights,
-    PrepareCommit,
-    Commit,
-    AbortSession,
-    SetVersion,
-    Sync,
+    WakeUpWorker,
+    StatusWorker,
+    InitWeightTransferWorker,
+    StartWeightUpdateWorker,
+    UpdateWeightsWorker,
+    PrepareWorker,
+    CommitWorker,
+    AbortWeightUpdateWorker,
+    UpdateWeightVersionWorker,
+    SyncWorker,
 ]

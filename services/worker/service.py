@@ -21,31 +21,31 @@ from nats.micro.service import Service
 from rlbus.schemas import (
     SLEEP_TAGS,
     UNDECODABLE_STATUS,
-    AbortSession,
+    AbortWeightUpdateWorker,
     Backend,
     Capabilities,
     FleetState,
-    Commit,
+    CommitWorker,
     ControllerHello,
     FailedPrecondition,
-    GetStatus,
+    StatusWorker,
     Heartbeat,
     InvalidArgument,
-    JoinTransfer,
-    OpenSession,
+    InitWeightTransferWorker,
+    StartWeightUpdateWorker,
     PauseWorker,
-    PrepareCommit,
-    ReceiveWeights,
+    PrepareWorker,
+    UpdateWeightsWorker,
     ResumeWorker,
     RLBusError,
     ServiceName,
-    SetVersion,
+    UpdateWeightVersionWorker,
     Unavailable,
     SleepWorker,
     Subjects,
-    Sync,
+    SyncWorker,
     UpdateMode,
-    WakeWorker,
+    WakeUpWorker,
     WorkerAck,
     WorkerCommand,
     WorkerGone,
@@ -210,7 +210,7 @@ class WorkerService:
         live worker holds the id. No responders means it is free (a dead worker's
         subscriptions go with its connection). A holder that does not answer in time is
         frozen, not gone (SIGSTOP, a partition): refused as well, since it may come back."""
-        subject = self.subjects.worker(self.id, op_of(GetStatus))
+        subject = self.subjects.worker(self.id, op_of(StatusWorker))
         try:
             await request(self.nc, subject, b"", ID_PROBE_TIMEOUT_S)
         except NoRespondersError:
@@ -277,16 +277,16 @@ class WorkerService:
         r.add(PauseWorker, self._pause, inline=self._idle)
         r.add(ResumeWorker, self._resume, inline=True)
         r.add(SleepWorker, self._sleep)
-        r.add(WakeWorker, self._wake_up)
-        r.add(GetStatus, self._status, inline=True, read=True)
-        r.add(JoinTransfer, self._join_transfer)
-        r.add(OpenSession, self._open_session, inline=True)
-        r.add(ReceiveWeights, self._receive_weights)
-        r.add(PrepareCommit, self._prepare)
-        r.add(Commit, self._commit)
-        r.add(AbortSession, self._abort_session, inline=True)
-        r.add(SetVersion, self._set_version)
-        r.add(Sync, self._sync)
+        r.add(WakeUpWorker, self._wake_up)
+        r.add(StatusWorker, self._status, inline=True, read=True)
+        r.add(InitWeightTransferWorker, self._join_transfer)
+        r.add(StartWeightUpdateWorker, self._open_session, inline=True)
+        r.add(UpdateWeightsWorker, self._receive_weights)
+        r.add(PrepareWorker, self._prepare)
+        r.add(CommitWorker, self._commit)
+        r.add(AbortWeightUpdateWorker, self._abort_session, inline=True)
+        r.add(UpdateWeightVersionWorker, self._set_version)
+        r.add(SyncWorker, self._sync)
         return r
 
     def _idle(self, cmd: PauseWorker) -> bool:
@@ -345,21 +345,21 @@ class WorkerService:
         await self.converge(msgspec.structs.replace(held, sleep_level=cmd.level, sleeping_tags=asleep))
         return self.ack()
 
-    async def _wake_up(self, cmd: WakeWorker) -> WorkerAck:
+    async def _wake_up(self, cmd: WakeUpWorker) -> WorkerAck:
         held, tags = self._held_state(), _tags(cmd.tags)
         await self.converge(msgspec.structs.replace(held, sleeping_tags=[t for t in held.sleeping_tags if t not in tags]))
         return self.ack()
 
     # ---- the other commands -----------------------------------------------------------------
 
-    async def _status(self, cmd: GetStatus) -> WorkerAck:
+    async def _status(self, cmd: StatusWorker) -> WorkerAck:
         return self.ack()
 
-    async def _join_transfer(self, cmd: JoinTransfer) -> WorkerAck:
+    async def _join_transfer(self, cmd: InitWeightTransferWorker) -> WorkerAck:
         await self.updates.join(cmd.init_info, cmd.rank)
         return self.ack()
 
-    async def _open_session(self, cmd: OpenSession) -> WorkerAck:
+    async def _open_session(self, cmd: StartWeightUpdateWorker) -> WorkerAck:
         if cmd.base_seq is not None and self.updates.session_id != cmd.session_id:
             problem = self.updates.base_problem(cmd.target, cmd.base_seq)
             if problem:
@@ -367,19 +367,19 @@ class WorkerService:
         self.updates.start(cmd.session_id, cmd.target, cmd.base_seq)
         return self.ack()
 
-    async def _receive_weights(self, cmd: ReceiveWeights) -> WorkerAck:
+    async def _receive_weights(self, cmd: UpdateWeightsWorker) -> WorkerAck:
         if cmd.check_only:
             self.updates.check(cmd.session_id, cmd.params, cmd.buckets)
         else:
             self.updates.receive(cmd.session_id, cmd.params, cmd.buckets, self._tg)
         return self.ack()
 
-    async def _prepare(self, cmd: PrepareCommit) -> WorkerAck:
+    async def _prepare(self, cmd: PrepareWorker) -> WorkerAck:
         results = {"tensor_checksums": cmd.tensor_checksums} if cmd.tensor_checksums else {}  # a delta session's
         await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s, cmd.checksums, **results)
         return self.ack()
 
-    async def _commit(self, cmd: Commit) -> WorkerAck:
+    async def _commit(self, cmd: CommitWorker) -> WorkerAck:
         target = self.updates.session.target if self.updates.session else "main"
         try:
             await self.updates.commit(cmd.session_id, cmd.weight_version, cmd.seq)
@@ -390,16 +390,16 @@ class WorkerService:
             await self._withhold(False)  # it holds the committed weights now
         return self.ack()
 
-    async def _abort_session(self, cmd: AbortSession) -> WorkerAck:
+    async def _abort_session(self, cmd: AbortWeightUpdateWorker) -> WorkerAck:
         self.updates.abort(cmd.session_id)
         return self.ack()
 
-    async def _set_version(self, cmd: SetVersion) -> WorkerAck:
+    async def _set_version(self, cmd: UpdateWeightVersionWorker) -> WorkerAck:
         self.updates.set_version(cmd.new_version, cmd.seq)
         await self._withhold(False)
         return self.ack()
 
-    async def _sync(self, cmd: Sync) -> WorkerAck:
+    async def _sync(self, cmd: SyncWorker) -> WorkerAck:
         """Take the fleet's desired state, then generation traffic if it holds the committed version."""
         self._liveness_s = cmd.liveness_s
         self._last_beat = time.monotonic()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from rlbus.schemas import Commit, Subjects
+from rlbus.schemas import CommitWorker, Subjects
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -277,7 +277,7 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
 
                     async def crash_after_commit(build, workers=None, timeout=None, send=send, old=old, phase2=phase2):  # noqa: ANN001, ANN202
                         out = await send(build, workers, timeout)
-                        if _builds(build, Commit, workers or old.registry.ids()):
+                        if _builds(build, CommitWorker, workers or old.registry.ids()):
                             await old.nc.close()  # dies here: nothing it does after phase 2 reaches anyone
                             phase2.set()
                         return out
