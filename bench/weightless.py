@@ -1,86 +1,33 @@
-"""WeightlessEngine: the Engine protocol with no model, for control-plane benchmarks.
+"""WeightlessEngine: an Engine with no model, for control-plane benchmarks.
 
-Every call keeps the state a real engine would report (paused, pause mode, sleeping tags,
-versions) and costs nothing else, so a benchmark built on it measures rlbus, not torch.
+The Engine base keeps the state a real engine reports (paused, pause mode, sleeping tags,
+levels); the model calls here cost nothing, so a benchmark built on it measures rlbus, not torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from rlbus.schemas import DEFAULT_VERSION, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
-from rlbus.services.worker.engine import EngineStatus, ParamSpec
+from rlbus.schemas import GenerateReply, GenerateRequest, UpdateTarget
+from rlbus.services.worker.engine import Engine, ParamSpec
 
 
-class WeightlessEngine:
-    """Implements rlbus.services.worker.engine.Engine; holds no parameters."""
+class WeightlessEngine(Engine):
+    """Holds no parameters; every model call returns at once."""
 
     def __init__(self, model_name: str = "weightless", *, sleep_mode_enabled: bool = True) -> None:
-        self.model_name = model_name
-        self.sleep_mode_enabled = sleep_mode_enabled
-        self.weight_version = DEFAULT_VERSION
-        self.weight_seq = 0
-        self.draft_version: str | None = None
-        self.dirty = False
-        self.draft_stale = False
-        self.spec_proposed = 0
-        self.spec_accepted = 0
-        self._paused = False
-        self._pause_mode: PauseMode | None = None
-        self._sleeping: list[SleepTag] = []
-        self._sleep_level = 0
-
-    @property
-    def recovering(self) -> bool:
-        return False
-
-    @property
-    def has_draft_model(self) -> bool:
-        return False
-
-    @property
-    def supports_draft_weight_updates(self) -> bool:
-        return False
+        super().__init__(model_name, sleep_mode_enabled=sleep_mode_enabled)
 
     @property
     def num_params(self) -> int:
         return 0
 
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            paused=self._paused,
-            pause_mode=self._pause_mode,
-            sleeping_tags=list(self._sleeping),
-            sleep_level=self._sleep_level,
-            weights_loaded=True,
-            in_flight=0,
-            waiting=0,
-            param_bytes=0,
-            kv_cache_bytes=0,
-        )
-
     async def generate(self, request: GenerateRequest) -> GenerateReply:
-        return GenerateReply(worker_id="", tokens=[], finish_reason="length", weight_version=self.weight_version)
-
-    async def pause(self, mode: PauseMode) -> None:
-        self._paused = True
-        if mode == "abort" or self._pause_mode is None:
-            self._pause_mode = mode
-
-    async def resume(self) -> None:
-        self._paused = False
-        self._pause_mode = None
-
-    async def sleep(self, level: int, tags: list[SleepTag]) -> None:
-        self._sleeping = sorted(set(self._sleeping) | set(tags))
-        self._sleep_level = max(self._sleep_level, level)
-
-    async def wake_up(self, tags: list[SleepTag]) -> None:
-        self._sleeping = [t for t in self._sleeping if t not in tags]
-        if not self._sleeping:
-            self._sleep_level = 0
+        label = self.book.main
+        return GenerateReply(worker_id="", tokens=[], finish_reason="length", weight_version=label.version,
+                             weight_seq=label.seq)
 
     def param_specs(self, target: UpdateTarget) -> Mapping[str, ParamSpec]:
         return {}
@@ -89,9 +36,10 @@ class WeightlessEngine:
         return {}
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
-        return None
+        loaded()
 
 
 class TensorEngine(WeightlessEngine):
@@ -114,7 +62,9 @@ class TensorEngine(WeightlessEngine):
         return self._params
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
         for name, t in tensors.items():
             self._params[name].copy_(t)
+        loaded()

@@ -36,30 +36,30 @@ class SleepWorker(WorkerCommand, frozen=True, kw_only=True, tag="sleep"):
     """None = all."""
 
 
-class WakeWorker(WorkerCommand, frozen=True, kw_only=True, tag="wake_up"):
+class WakeUpWorker(WorkerCommand, frozen=True, kw_only=True, tag="wake_up"):
     tags: list[SleepTag] | None = None
     """None = all."""
 
 
-class GetStatus(WorkerCommand, frozen=True, kw_only=True, tag="status"):
+class StatusWorker(WorkerCommand, frozen=True, kw_only=True, tag="status"):
     """Report state (no change)."""
 
 
-class JoinTransfer(WorkerCommand, frozen=True, kw_only=True, tag="init_weight_transfer"):
+class InitWeightTransferWorker(WorkerCommand, frozen=True, kw_only=True, tag="init_weight_transfer"):
     init_info: TransferInit
     """The trainer's rendezvous."""
     rank: int
     """This worker's rank in the group."""
 
 
-class OpenSession(WorkerCommand, frozen=True, kw_only=True, tag="start_weight_update"):
+class StartWeightUpdateWorker(WorkerCommand, frozen=True, kw_only=True, tag="start_weight_update"):
     session_id: str
     target: UpdateTarget
     base_seq: int | None = None
     """A delta session's base (StartWeightUpdate.base_seq): refused unless the worker holds exactly it."""
 
 
-class ReceiveWeights(WorkerCommand, frozen=True, kw_only=True, tag="update_weights"):
+class UpdateWeightsWorker(WorkerCommand, frozen=True, kw_only=True, tag="update_weights"):
     session_id: str
     params: list[ParamMeta]
     buckets: list[BucketMeta]
@@ -67,7 +67,7 @@ class ReceiveWeights(WorkerCommand, frozen=True, kw_only=True, tag="update_weigh
     """Check names, dtypes and shapes only; start no receive."""
 
 
-class PrepareCommit(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
+class PrepareWorker(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
     """Phase 1 of finish: report staged and verified."""
 
     session_id: str
@@ -77,7 +77,7 @@ class PrepareCommit(WorkerCommand, frozen=True, kw_only=True, tag="prepare"):
     """FinishWeightUpdate.tensor_checksums: the full resulting tensors of a delta session."""
 
 
-class Commit(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
+class CommitWorker(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
     """Phase 2 of finish: apply staged weights, take the version."""
 
     session_id: str
@@ -87,19 +87,19 @@ class Commit(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
     """The commit sequence the committed weights take (of the main or the draft model)."""
 
 
-class AbortSession(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
+class AbortWeightUpdateWorker(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
     session_id: str
     """The session to drop; empty = whichever is open."""
     reason: str = ""
 
 
-class SetVersion(WorkerCommand, frozen=True, kw_only=True, tag="update_weight_version"):
+class UpdateWeightVersionWorker(WorkerCommand, frozen=True, kw_only=True, tag="update_weight_version"):
     new_version: str
     seq: int = 0
     """The commit sequence the version takes."""
 
 
-class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
+class SyncWorker(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     """After the worker's handshake: the committed version. A worker on an older one is
     stale: it takes no rl.generate traffic until it has received current weights."""
 
@@ -116,7 +116,7 @@ class Sync(WorkerCommand, frozen=True, kw_only=True, tag="sync"):
     longer stops serving until the controller has reconciled it again."""
 
 
-class OfferWeights(WorkerCommand, frozen=True, kw_only=True, tag="offer_weights"):
+class OfferWeightsWorker(WorkerCommand, frozen=True, kw_only=True, tag="offer_weights"):
     """Repair, on the healthy peer: host rank 0 of a new transfer group (`init_info`, port 0 =
     a free one; the peer fills in its own address) and plan its committed `target` weights as
     buckets. The ack's `offer` carries the bound group and the plan; nothing is sent yet."""
@@ -125,7 +125,7 @@ class OfferWeights(WorkerCommand, frozen=True, kw_only=True, tag="offer_weights"
     init_info: TransferInit
 
 
-class SendWeights(WorkerCommand, frozen=True, kw_only=True, tag="send_weights"):
+class SendWeightsWorker(WorkerCommand, frozen=True, kw_only=True, tag="send_weights"):
     """Repair, on the peer: once every receiver joined the offered group, send buckets of the
     plan (the committed bits, read while it keeps serving); the ack's `sent_checksums` are
     their checksums, in order. The group stays until leave_weight_transfer."""
@@ -136,14 +136,14 @@ class SendWeights(WorkerCommand, frozen=True, kw_only=True, tag="send_weights"):
     """Buckets first..last-1 of the plan (None: to the end); the receivers posted their receive first."""
 
 
-class LeaveTransfer(WorkerCommand, frozen=True, kw_only=True, tag="leave_weight_transfer"):
+class LeaveWeightTransferWorker(WorkerCommand, frozen=True, kw_only=True, tag="leave_weight_transfer"):
     """Leave transfer group `group_name` (a repair's), if this worker is in it or hosts it; the
     trainer's next push builds a group with it again."""
 
     group_name: str
 
 
-class HashWeights(WorkerCommand, frozen=True, kw_only=True, tag="hash_weights"):
+class HashWeightsWorker(WorkerCommand, frozen=True, kw_only=True, tag="hash_weights"):
     """Hash every tensor the worker serves (`target`); the ack carries the checksums."""
 
     target: UpdateTarget = "main"
@@ -153,18 +153,18 @@ AnyWorkerCommand = Union[
     PauseWorker,
     ResumeWorker,
     SleepWorker,
-    WakeWorker,
-    GetStatus,
-    JoinTransfer,
-    OpenSession,
-    ReceiveWeights,
-    PrepareCommit,
-    Commit,
-    AbortSession,
-    SetVersion,
-    Sync,
-    HashWeights,
-    OfferWeights,
-    SendWeights,
-    LeaveTransfer,
+    WakeUpWorker,
+    StatusWorker,
+    InitWeightTransferWorker,
+    StartWeightUpdateWorker,
+    UpdateWeightsWorker,
+    PrepareWorker,
+    CommitWorker,
+    AbortWeightUpdateWorker,
+    UpdateWeightVersionWorker,
+    SyncWorker,
+    HashWeightsWorker,
+    OfferWeightsWorker,
+    SendWeightsWorker,
+    LeaveWeightTransferWorker,
 ]

@@ -207,7 +207,7 @@ async def check_push_weights_is_bit_identical(fleet: LocalFleet, rl: RLClient, s
     assert sorted(w.worker_id for w in ack.workers) == sorted(fleet.workers)
     for wid in fleet.workers:
         assert_holds(fleet, wid, named)
-        assert fleet.workers[wid].engine.weight_version == version
+        assert fleet.workers[wid].book.main.version == version
     info = await rl.server_info()
     assert info.weight_version == version and info.session_id is None
     await assert_no_session_recorded(fleet)
@@ -251,7 +251,7 @@ async def check_explicit_lifecycle_in_two_updates(fleet: LocalFleet, rl: RLClien
     assert kept.weight_version == version
     for wid in fleet.workers:
         assert_holds(fleet, wid, again)
-        assert fleet.workers[wid].engine.weight_version == version
+        assert fleet.workers[wid].book.main.version == version
     assert await rl.get_weight_version() == version
     assert tokens_of(await generate_all(rl)) == greedy(again)
 
@@ -277,7 +277,7 @@ async def check_corrupted_bytes_abort_the_finish(fleet: LocalFleet, rl: RLClient
         assert "checksum" in err.value.message
         for wid in fleet.workers:
             assert_holds(fleet, wid, old[wid])
-            assert fleet.workers[wid].engine.weight_version == old_version
+            assert fleet.workers[wid].book.main.version == old_version
             assert fleet.workers[wid].updates.session is None
         info = await rl.server_info()
         assert info.weight_version == old_version and info.session_id is None

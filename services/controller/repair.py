@@ -31,20 +31,20 @@ import anyio
 import msgspec
 
 from rlbus.schemas import (
-    AbortSession,
+    AbortWeightUpdateWorker,
     Backend,
     BucketMeta,
-    Commit,
-    HashWeights,
-    JoinTransfer,
-    LeaveTransfer,
-    OfferWeights,
-    OpenSession,
+    CommitWorker,
+    HashWeightsWorker,
+    InitWeightTransferWorker,
+    LeaveWeightTransferWorker,
+    OfferWeightsWorker,
+    StartWeightUpdateWorker,
     ParamMeta,
-    PrepareCommit,
-    ReceiveWeights,
+    PrepareWorker,
+    UpdateWeightsWorker,
     RLBusError,
-    SendWeights,
+    SendWeightsWorker,
     TensorChecksum,
     TransferInit,
     UpdateTarget,
@@ -206,7 +206,7 @@ class Repairs:
 
     async def _manifest(self, target: UpdateTarget, holders: list[str]) -> list[TensorChecksum]:
         """What every healthy holder serves; refused unless they all agree."""
-        out = await self.fleet.send(stamped(HashWeights, target=target), holders)
+        out = await self.fleet.send(stamped(HashWeightsWorker, target=target), holders)
         out.raise_for_failures("repair (hashing the committed weights)")
         sums = {w: tuple((c.name, c.checksum) for c in a.tensor_checksums) for w, a in out.answers.items()}
         if len(set(sums.values())) != 1:
@@ -225,38 +225,38 @@ class Repairs:
         sid = f"repair-{uuid.uuid4().hex[:12]}"
         opened = False
         try:
-            offered = await self.fleet.send(stamped(OfferWeights, target=target, init_info=init), [source])
+            offered = await self.fleet.send(stamped(OfferWeightsWorker, target=target, init_info=init), [source])
             offered.raise_for_failures(f"repair (offer from {source})")
             offer = offered.answers[source].offer
             assert offer is not None
             ranks = {w: 1 + i for i, w in enumerate(receivers)}
             joined = await self.fleet.send(
-                lambda w, epoch, cid: JoinTransfer(epoch=epoch, command_id=cid, init_info=offer.init, rank=ranks[w]),
+                lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=offer.init, rank=ranks[w]),
                 receivers, timeout=init.timeout_s + 5)
             joined.raise_for_failures("repair (joining the peer's group)")
-            (await self.fleet.send(stamped(OpenSession, session_id=sid, target=target), receivers)).raise_for_failures(
+            (await self.fleet.send(stamped(StartWeightUpdateWorker, session_id=sid, target=target), receivers)).raise_for_failures(
                 "repair (opening the session)")
             opened = True
             checksums: list[str] = []
             for params, buckets, first, last in chunks(offer.params, offer.buckets):
-                got = await self.fleet.send(stamped(ReceiveWeights, session_id=sid, params=params, buckets=buckets), receivers)
+                got = await self.fleet.send(stamped(UpdateWeightsWorker, session_id=sid, params=params, buckets=buckets), receivers)
                 got.raise_for_failures("repair (metadata)")
                 sent = await self._while_alive(source, self.fleet.send(
-                    stamped(SendWeights, group_name=group, first=first, last=last), [source], timeout=self.opts.timeout_s))
+                    stamped(SendWeightsWorker, group_name=group, first=first, last=last), [source], timeout=self.opts.timeout_s))
                 sent.raise_for_failures(f"repair (sending from {source})")
                 checksums += sent.answers[source].sent_checksums
             prepared = await self.fleet.send(
-                stamped(PrepareCommit, session_id=sid, checksums=checksums, tensor_checksums=manifest), receivers)
+                stamped(PrepareWorker, session_id=sid, checksums=checksums, tensor_checksums=manifest), receivers)
             prepared.raise_for_failures("repair (verifying against the manifest)")
-            committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=version, seq=seq), receivers)
+            committed = await self.fleet.send(stamped(CommitWorker, session_id=sid, weight_version=version, seq=seq), receivers)
             opened = False
             committed.raise_for_failures("repair (commit)")
             return sum(b.nbytes for b in offer.buckets)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 if opened:
-                    await self.fleet.send(stamped(AbortSession, session_id=sid, reason="repair failed"), receivers)
-                await self.fleet.send(stamped(LeaveTransfer, group_name=group), [*receivers, source])
+                    await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="repair failed"), receivers)
+                await self.fleet.send(stamped(LeaveWeightTransferWorker, group_name=group), [*receivers, source])
 
 
     async def _while_alive(self, source: str, call: Awaitable[T]) -> T:

@@ -32,7 +32,7 @@ from rlbus.schemas import (
     refuse,
     FleetAck,
     GetServerInfo,
-    GetStatus,
+    StatusWorker,
     Heartbeat,
     IsPaused,
     IsSleeping,
@@ -45,11 +45,11 @@ from rlbus.schemas import (
     Sleep,
     SleepWorker,
     Subjects,
-    Sync,
+    SyncWorker,
     Unavailable,
     VersionInfo,
     WakeUp,
-    WakeWorker,
+    WakeUpWorker,
     WorkerGone,
     WorkerReady,
     UpdateWeights,
@@ -358,7 +358,7 @@ class ControllerService:
     async def _admit(self, caps: Capabilities, state: WorkerState) -> None:
         """Register an announced worker once it holds the desired state: it pauses, sleeps,
         resumes or wakes to match the fleet, and takes no generation traffic while it is
-        behind the committed version (Sync). Under the fleet's lock, so no pause or sleep
+        behind the committed version (SyncWorker). Under the fleet's lock, so no pause or sleep
         falls between its sync and its joining. Then drop any session it holds that this
         controller does not (an orphan from before a restart)."""
         w = state.worker_id
@@ -368,7 +368,7 @@ class ControllerService:
                     return
                 await self._recover_lost_state(state)
             out = await self.fleet.send(
-                stamped(Sync, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
+                stamped(SyncWorker, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
                         liveness_s=self.opts.liveness_timeout_s, controller_id=self.id),
                 [w], timeout=min(5.0, self.opts.command_timeout_s),
             )
@@ -493,7 +493,7 @@ class ControllerService:
                 raise refuse(f"workers {no_sleep} were started without sleep mode; restart them with --enable-sleep-mode",
                              dict.fromkeys(no_sleep, "started without sleep mode"))
             # refuse before anything changes: a worker with requests in flight cannot sleep
-            status = await self.fleet.send(stamped(GetStatus), workers)
+            status = await self.fleet.send(stamped(StatusWorker), workers)
             status.raise_for_failures("sleep (status check)")
             busy = {w: st.in_flight for w, st in status.acks.items() if st.in_flight}
             if busy:
@@ -502,7 +502,7 @@ class ControllerService:
             out = await self.fleet.send(stamped(SleepWorker, level=cmd.level, tags=cmd.tags), workers)
             if not out.ok and out.acks and cmd.level == 1:
                 # all or nothing: wake the workers that did fall asleep
-                await self.fleet.send(stamped(WakeWorker, tags=cmd.tags), list(out.acks))
+                await self.fleet.send(stamped(WakeUpWorker, tags=cmd.tags), list(out.acks))
             out.raise_for_failures(f"sleep(level={cmd.level})")
             asleep = sorted(set(self.desired.sleeping_tags) | set(cmd.tags or SLEEP_TAGS))
             await self._desire(sleep_level=max(cmd.level, self.desired.sleep_level), sleeping_tags=asleep)
@@ -514,14 +514,14 @@ class ControllerService:
 
     async def _wake_up(self, cmd: WakeUp) -> FleetAck:
         async with self.fleet.lock:
-            out = await self.fleet.send_all(stamped(WakeWorker, tags=cmd.tags), "wake_up")
+            out = await self.fleet.send_all(stamped(WakeUpWorker, tags=cmd.tags), "wake_up")
             asleep = sorted(set(self.desired.sleeping_tags) - set(cmd.tags or SLEEP_TAGS))
             await self._desire(sleeping_tags=asleep, sleep_level=self.desired.sleep_level if asleep else 0)
         await self.fleet.event("awake", sorted(out.acks), ",".join(cmd.tags or ["all"]))
         return self.updates.ack(out)
 
     async def _status(self, cmd: IsPaused | IsSleeping) -> FleetAck:
-        ack = self.updates.ack(await self.fleet.send_all(stamped(GetStatus), "status"))
+        ack = self.updates.ack(await self.fleet.send_all(stamped(StatusWorker), "status"))
         if isinstance(cmd, IsPaused):
             return msgspec.structs.replace(ack, answer=all(w.paused for w in ack.workers))
         return msgspec.structs.replace(ack, answer=any(w.sleeping_tags for w in ack.workers))

@@ -1,8 +1,8 @@
 """The weight-update session as a pure state machine: `step(state, event) -> Step`.
 
-No I/O here; service.py performs what a step asks for and feeds back what happened.
+No I/O here; updates.py performs what a step asks for and feeds back what happened.
 
-    Idle --Start--> Open --Update*--> Open --Finish--> Committing --Committed--> Idle
+    Idle --Start--> Open --Update*--> Open --Finish--> Committing --CommitDone--> Idle
                      |                                   |
                      +--Abort / WorkerLost / Sleep--> Idle <--Failed--+
 """
@@ -56,7 +56,7 @@ class Finish(msgspec.Struct, frozen=True):
     session_id: str | None = None
 
 
-class Committed(msgspec.Struct, frozen=True):
+class CommitDone(msgspec.Struct, frozen=True):
     pass
 
 
@@ -76,11 +76,11 @@ class SleepWeights(msgspec.Struct, frozen=True):
     """Weights are going to sleep: an open session cannot survive that."""
 
 
-class SetVersion(msgspec.Struct, frozen=True):
+class VersionSet(msgspec.Struct, frozen=True):
     """update_weight_version without a transfer."""
 
 
-Event = Union[Start, Update, Finish, Committed, Failed, Abort, WorkerLost, SleepWeights, SetVersion]
+Event = Union[Start, Update, Finish, CommitDone, Failed, Abort, WorkerLost, SleepWeights, VersionSet]
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -112,7 +112,7 @@ def step(state: SessionState, event: Event) -> Step:
             return _refuse(state, "FAILED_PRECONDITION", "no weight update session is open; call start_weight_update() first")
         case Idle(), Finish():
             return _refuse(state, "FAILED_PRECONDITION", "finish_weight_update() without a session; call start_weight_update() first")
-        case Idle(), (Abort() | WorkerLost() | SleepWeights() | Committed() | Failed() | SetVersion()):
+        case Idle(), (Abort() | WorkerLost() | SleepWeights() | CommitDone() | Failed() | VersionSet()):
             return Step(state=state)
         case Open(), Start():
             return _refuse(
@@ -134,11 +134,11 @@ def step(state: SessionState, event: Event) -> Step:
             return Step(state=Idle(), abort_workers=True)
         case Open(), (WorkerLost() | SleepWeights() | Failed()):
             return Step(state=Idle(), abort_workers=True)
-        case Open(), SetVersion():
+        case Open(), VersionSet():
             return _refuse(state, "FAILED_PRECONDITION", f"session {state.session_id} is open; finish or abort it before setting the version")
-        case Open(), Committed():
+        case Open(), CommitDone():
             return _refuse(state, "INTERNAL", "commit reported for a session that is not finishing")
-        case Committing(), Committed():
+        case Committing(), CommitDone():
             return Step(state=Idle())
         case Committing(), (Failed() | WorkerLost()):
             return Step(state=Idle(), abort_workers=True)

@@ -12,21 +12,21 @@ import msgspec
 
 from rlbus.schemas import (
     DEFAULT_VERSION,
-    AbortSession,
+    AbortWeightUpdateWorker,
     AbortWeightUpdate,
-    Commit,
+    CommitWorker,
     FailedPrecondition,
     FinishWeightUpdate,
     FleetAck,
-    GetStatus,
+    StatusWorker,
     GetWeightVersion,
     InitWeightTransfer,
     InvalidArgument,
-    JoinTransfer,
-    OpenSession,
-    PrepareCommit,
-    ReceiveWeights,
-    SetVersion,
+    InitWeightTransferWorker,
+    StartWeightUpdateWorker,
+    PrepareWorker,
+    UpdateWeightsWorker,
+    UpdateWeightVersionWorker,
     StartWeightUpdate,
     UpdateWeights,
     UpdateWeightVersion,
@@ -131,7 +131,7 @@ class Updates:
     async def _abort_everywhere(self, sid: str, reason: str) -> None:
         ids = self.fleet.registry.ids()
         if ids:
-            await self.fleet.send(stamped(AbortSession, session_id=sid, reason=reason), ids)
+            await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason=reason), ids)
         await self.fleet.event("session_aborted", ids, reason, session_id=sid or None)
 
     async def abort_on_loss(self, worker_id: str) -> None:
@@ -143,7 +143,8 @@ class Updates:
         """Drop a session a worker holds that this controller does not (from before a restart)."""
         async with self.fleet.lock:
             if session_id != self.session_id:
-                await self.fleet.send(stamped(AbortSession, session_id=session_id, reason="orphaned session"), [worker_id])
+                await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=session_id, reason="orphaned session"),
+                                      [worker_id])
 
     # ---- handlers ----------------------------------------------------------------------
 
@@ -174,7 +175,8 @@ class Updates:
             ranks = {w: init.rank_offset + i for i, w in enumerate(workers)}
             timeout = max(self.fleet.command_timeout_s, init.timeout_s + 5)
             out = await self.fleet.send(
-                lambda w, epoch, cid: JoinTransfer(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]), workers, timeout=timeout
+                lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]),
+                workers, timeout=timeout
             )
             out.raise_for_failures("init_weight_transfer")
             return self.ack(out)
@@ -207,13 +209,16 @@ class Updates:
             sid = uuid.uuid4().hex[:16]
             step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
             try:
-                out = await self.fleet.send(stamped(OpenSession, target=target, session_id=sid, base_seq=cmd.base_seq), workers)
+                out = await self.fleet.send(
+                    stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq), workers)
             except BaseException:  # the caller's deadline passed: close what opened
                 with anyio.CancelScope(shield=True):
-                    await self.fleet.send(stamped(AbortSession, session_id=sid, reason="start ran out of time"), workers)
+                    await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start ran out of time"),
+                                          workers)
                 raise
             if not out.ok:
-                await self.fleet.send(stamped(AbortSession, session_id=sid, reason="start failed"), list(out.acks))
+                await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start failed"),
+                                      list(out.acks))
                 out.raise_for_failures(f"start_weight_update({target})")
             await self._settle(step.state)
         await self.fleet.event("session_started", workers, target, session_id=sid)
@@ -234,7 +239,8 @@ class Updates:
             workers = self.fleet.ids()
 
             def receive(check_only: bool):  # noqa: ANN202
-                return stamped(ReceiveWeights, session_id=sid, params=cmd.params, buckets=cmd.buckets, check_only=check_only)
+                return stamped(UpdateWeightsWorker, session_id=sid, params=cmd.params, buckets=cmd.buckets,
+                               check_only=check_only)
 
             # every worker checks names, dtypes and shapes before any byte moves
             check = await self.fleet.send(receive(True), workers)
@@ -262,7 +268,8 @@ class Updates:
             workers = self.fleet.ids()
             try:
                 prepared = await self.fleet.send(
-                    stamped(PrepareCommit, session_id=sid, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums), workers
+                    stamped(PrepareWorker, session_id=sid, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums),
+                    workers
                 )
             except BaseException:  # the caller's deadline passed: the session cannot stay Committing
                 with anyio.CancelScope(shield=True):
@@ -276,7 +283,8 @@ class Updates:
             main = committing.target == "main"
             seq = (self.version.seq if main else self.version.draft_seq) + 1
             with anyio.CancelScope(shield=True):  # once workers commit, the commit completes (each worker is bounded)
-                committed = await self.fleet.send(stamped(Commit, session_id=sid, weight_version=version, seq=seq), workers)
+                committed = await self.fleet.send(stamped(CommitWorker, session_id=sid, weight_version=version, seq=seq),
+                                                  workers)
                 return await self._committed(committing, committed, version, seq, workers)
 
     async def _committed(self, committing: S.Committing, committed: Outcome, version: str | None, seq: int,
@@ -290,7 +298,7 @@ class Updates:
             err = committed.error("finish_weight_update (commit)")
             await self._apply(S.Failed(reason=err.message), err.message)
             raise err
-        done = self._advance(S.Committed())
+        done = self._advance(S.CommitDone())
         if main:
             new = msgspec.structs.replace(
                 self.version, version=version or self.version.version, seq=seq,
@@ -336,7 +344,7 @@ class Updates:
             await self._settle(step.state)
             # abort_workers when a session was open; with none open the trainer's abort still
             # sweeps any session a worker holds (e.g. one a crashed controller left)
-            out = await self.fleet.send(stamped(AbortSession, session_id=sid or "", reason=reason), workers)
+            out = await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid or "", reason=reason), workers)
         if sid:
             await self.fleet.event("session_aborted", workers, reason, session_id=sid)
         return self.ack(out)
@@ -350,11 +358,12 @@ class Updates:
                     "the controller state was lost, so which weights the workers hold is not known: push weights "
                     "(push_weights) to commit a version before renaming it"
                 )
-            self._advance(S.SetVersion())
+            self._advance(S.VersionSet())
             await self._refuse_a_used_version(cmd.new_version)
             workers = self.fleet.ids()
             seq = self.version.seq + 1
-            out = await self.fleet.send(stamped(SetVersion, new_version=cmd.new_version, seq=seq), workers)
+            out = await self.fleet.send(stamped(UpdateWeightVersionWorker, new_version=cmd.new_version, seq=seq),
+                                        workers)
             out.raise_for_failures("update_weight_version")
             await self._commit_version(
                 msgspec.structs.replace(
@@ -365,7 +374,7 @@ class Updates:
             return self.ack(out)
 
     async def get_weight_version(self, cmd: GetWeightVersion) -> VersionInfo:
-        out = await self.fleet.send(stamped(GetStatus))
+        out = await self.fleet.send(stamped(StatusWorker))
         out.raise_for_failures("get_weight_version")
         seen = {w: st.weight_version for w, st in out.acks.items()}
         if len(set(seen.values())) != 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-from rlbus.schemas import HashWeights, TensorChecksum, VerifyWeights, WeightCheck, WorkerWeights
+from rlbus.schemas import HashWeightsWorker, TensorChecksum, VerifyWeights, WeightCheck, WorkerWeights
 
 from .fanout import Outcome
 from .fleet import Fleet, stamped
@@ -18,7 +18,7 @@ MAX_NAMED = 20
 async def verify_weights(fleet: Fleet, cmd: VerifyWeights) -> WeightCheck:
     """Under the fleet's lock, so no commit lands while the workers hash."""
     async with fleet.lock:
-        out = await fleet.send(stamped(HashWeights, target=cmd.target))
+        out = await fleet.send(stamped(HashWeightsWorker, target=cmd.target))
     out.raise_for_failures("verify_weights")
     return compare(out, cmd)
 

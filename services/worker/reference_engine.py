@@ -1,4 +1,4 @@
-"""The reference engine: TinyLM behind the Engine protocol, with a real generation loop and
+"""The reference engine: TinyLM on the Engine base, with a real generation loop and
 optional speculative decoding (a draft TinyLM proposes k tokens, the verifier checks them).
 
 Requests run as tasks that step one round at a time; the model lock is held only for one
@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import anyio
 import torch
 
-from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
-from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas.errors import FailedPrecondition
+from rlbus.schemas import GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 
-from .changes import Changes
-from .engine import EngineStatus, ParamSpec, check_generate_request
+from .engine import Engine, ParamSpec, check_generate_request
 from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 
 StaleDraftPolicy = Literal["keep", "disable"]
@@ -98,7 +97,7 @@ class _Part:
         self.model.rotary.rebuild()
 
 
-class ReferenceEngine:
+class ReferenceEngine(Engine):
     """TinyLM with KV-cache slots, pause modes, sleep levels and optional speculation."""
 
     def __init__(
@@ -113,9 +112,8 @@ class ReferenceEngine:
         stale_draft_policy: StaleDraftPolicy = "keep",
         draft_updates_supported: bool = True,
     ) -> None:
+        super().__init__(model_name, sleep_mode_enabled=sleep_mode_enabled)
         self.config = config or ModelConfig()
-        self.model_name = model_name
-        self.sleep_mode_enabled = sleep_mode_enabled
         self.main = _Part(self.config, max_concurrency)
         self.draft: _Part | None = None
         if draft_config is not None:
@@ -125,25 +123,11 @@ class ReferenceEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self.stale_draft_policy = stale_draft_policy
         self._draft_updates_supported = draft_updates_supported
-        self.weight_version = DEFAULT_VERSION
-        self.weight_seq = 0
-        self.draft_version: str | None = DEFAULT_VERSION if self.draft else None
-        self.dirty = False
-        self.draft_stale = False
-        """The verifier was updated after the draft last was."""
-        self.spec_proposed = 0
-        self.spec_accepted = 0
         self._slots = list(range(max_concurrency))
         self._slot_free = anyio.Semaphore(max_concurrency)
         self._model_lock = anyio.Lock()
         self._ids = itertools.count()
         self._running: dict[int, _Request] = {}
-        self._waiting = 0
-        self._paused = False
-        self._pause_mode: PauseMode | None = None
-        self._changes = Changes()
-        self._sleeping: set[SleepTag] = set()
-        self._sleep_level = 0
         self._weights_loaded = True
 
     # ---- identity ----------------------------------------------------------------------
@@ -152,10 +136,6 @@ class ReferenceEngine:
     def model(self) -> TinyLM:
         """The verifier (main) model."""
         return self.main.model
-
-    @property
-    def recovering(self) -> bool:
-        return False  # a failed load here changes nothing (staged) or leaves it dirty until a commit
 
     @property
     def has_draft_model(self) -> bool:
@@ -178,27 +158,20 @@ class ReferenceEngine:
     def _parts(self) -> list[_Part]:
         return [self.main] + ([self.draft] if self.draft else [])
 
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            paused=self._paused,
-            pause_mode=self._pause_mode,
-            sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping],
-            sleep_level=self._sleep_level,
-            weights_loaded=self._weights_loaded,
-            in_flight=len(self._running),
-            waiting=self._waiting,
-            param_bytes=sum(p.param_bytes for p in self._parts()),
-            kv_cache_bytes=sum(p.kv.nbytes for p in self._parts()),
-        )
+    @property
+    def weights_loaded(self) -> bool:
+        return self._weights_loaded
 
-    def _refuse_if_unservable(self) -> None:
-        if self._sleeping:
-            asleep = ", ".join(sorted(self._sleeping))
-            raise FailedPrecondition(f"engine is asleep ({asleep}); call wake_up() before generating")
-        if not self._weights_loaded:
-            raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
-        if self.dirty:
-            raise FailedPrecondition("weights are half-updated after an aborted in-place update; push weights again")
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.param_bytes for p in self._parts())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(p.kv.nbytes for p in self._parts())
+
+    def _active(self) -> int:
+        return len(self._running)
 
     def _speculating(self, request: GenerateRequest) -> bool:
         if not self.speculation_enabled or request.temperature > 0:
@@ -214,9 +187,9 @@ class ReferenceEngine:
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         self._check_request(request)
         self._refuse_if_unservable()
-        await self._wait_for_resume()
+        await self._wait_until_open()
         async with self._slot_free:
-            await self._wait_for_resume()  # a pause may have begun while we queued for a slot
+            await self._wait_until_open()  # a pause may have begun while we queued for a slot
             slot = self._slots.pop()
             req = _Request(next(self._ids))
             self._running[req.id] = req
@@ -228,21 +201,8 @@ class ReferenceEngine:
                 self._slots.append(slot)
                 self._changes.notify()
 
-    async def _wait_for_resume(self) -> None:
-        """New requests wait for resume in every pause mode."""
-        if not self._paused:
-            return
-        self._waiting += 1
-        self._changes.notify()
-        try:
-            await self._changes.until(lambda: not self._paused)
-        finally:
-            self._waiting -= 1
-            self._changes.notify()
-        self._refuse_if_unservable()
-
     async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateReply:
-        version, seq, draft_version = self.weight_version, self.weight_seq, self.draft_version
+        version, seq, draft_version = self.book.main.version, self.book.main.seq, self.book.draft.version
         gen = None
         if request.temperature > 0:
             gen = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
@@ -333,44 +293,21 @@ class ReferenceEngine:
 
     # ---- pause / resume ----------------------------------------------------------------
 
-    async def pause(self, mode: PauseMode) -> None:
-        if mode not in ("abort", "wait", "keep"):
-            raise InvalidArgument(f"unknown pause mode {mode!r}; use abort, wait or keep")
-        if self._paused and mode != "abort":
-            return  # idempotent; a second abort still ends frozen requests
-        self._paused = True
+    async def _on_pause(self, mode: PauseMode) -> None:
         if mode == "abort":
-            self._pause_mode = "abort"
             for r in self._running.values():
                 r.abort = True
-        elif self._pause_mode is None:
-            self._pause_mode = mode
-        self._changes.notify()
+            self._changes.notify()
         if mode == "keep":
             await self._changes.until(lambda: all(r.frozen for r in self._running.values()))
         else:
             await self._changes.until(lambda: not self._running)
 
-    async def resume(self) -> None:
-        if not self._paused:
-            return
-        self._paused = False
-        self._pause_mode = None
-        self._changes.notify()
-
     # ---- sleep / wake ------------------------------------------------------------------
 
-    async def sleep(self, level: int, tags: list[SleepTag]) -> None:
-        if not self.sleep_mode_enabled:
-            raise FailedPrecondition("sleep mode is off on this worker; start it with --enable-sleep-mode")
-        if level not in (1, 2):
-            raise InvalidArgument(f"sleep level must be 1 or 2, not {level}")
-        if self._running:
-            raise FailedPrecondition(
-                f"{len(self._running)} requests are in flight; pause with mode='abort' or 'wait' before sleeping"
-            )
+    async def _on_sleep(self, level: int, tags: list[SleepTag]) -> None:
         async with self._model_lock:
-            if "weights" in tags and "weights" not in self._sleeping:
+            if "weights" in tags:
                 # level 1 backs the verifier up to the host; level 2 discards it. The draft is
                 # always saved: nothing else would restore it, and a lost draft means no speedup.
                 self.main.sleep_weights(keep=level == 1)
@@ -378,28 +315,19 @@ class ReferenceEngine:
                     self.draft.sleep_weights(keep=True)
                 if level == 2:
                     self._weights_loaded = False
-                self._sleeping.add("weights")
-            if "kv_cache" in tags and "kv_cache" not in self._sleeping:
+            if "kv_cache" in tags:
                 for p in self._parts():
                     p.kv.free()
-                self._sleeping.add("kv_cache")
-            self._sleep_level = max(self._sleep_level, level) if self._sleeping else 0
-        self._changes.notify()
 
-    async def wake_up(self, tags: list[SleepTag]) -> None:
+    async def _on_wake(self, tags: list[SleepTag]) -> None:
         async with self._model_lock:
-            if "weights" in tags and "weights" in self._sleeping:
+            if "weights" in tags:
                 self.main.wake_weights()
                 if self.draft:
                     self.draft.wake_weights()
-                self._sleeping.discard("weights")
-            if "kv_cache" in tags and "kv_cache" in self._sleeping:
+            if "kv_cache" in tags:
                 for p in self._parts():
                     p.kv.allocate()
-                self._sleeping.discard("kv_cache")
-            if not self._sleeping:
-                self._sleep_level = 0
-        self._changes.notify()
 
     # ---- weights -----------------------------------------------------------------------
 
@@ -419,7 +347,8 @@ class ReferenceEngine:
         return {n: p.data for n, p in self._part(target).model.named_parameters()}
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
         part = self._part(target)
         async with self._model_lock:
@@ -437,5 +366,6 @@ class ReferenceEngine:
                     self.draft_stale = True
             elif covered:
                 self.draft_stale = False
+            loaded()  # still under the model lock: no step runs on these weights before it
         self._changes.notify()
 

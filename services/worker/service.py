@@ -21,34 +21,35 @@ from nats.micro.service import Service
 from rlbus.schemas import (
     SLEEP_TAGS,
     UNDECODABLE_STATUS,
-    AbortSession,
+    AbortWeightUpdateWorker,
     Backend,
     Capabilities,
-    Commit,
+    FleetState,
+    CommitWorker,
     ControllerHello,
     FailedPrecondition,
-    GetStatus,
-    HashWeights,
+    StatusWorker,
+    HashWeightsWorker,
     Heartbeat,
-    LeaveTransfer,
-    OfferWeights,
-    SendWeights,
+    LeaveWeightTransferWorker,
+    OfferWeightsWorker,
+    SendWeightsWorker,
     InvalidArgument,
-    JoinTransfer,
-    OpenSession,
+    InitWeightTransferWorker,
+    StartWeightUpdateWorker,
     PauseWorker,
-    PrepareCommit,
-    ReceiveWeights,
+    PrepareWorker,
+    UpdateWeightsWorker,
     ResumeWorker,
     RLBusError,
     ServiceName,
-    SetVersion,
+    UpdateWeightVersionWorker,
     Unavailable,
     SleepWorker,
     Subjects,
-    Sync,
+    SyncWorker,
     UpdateMode,
-    WakeWorker,
+    WakeUpWorker,
     WorkerAck,
     WorkerCommand,
     WorkerGone,
@@ -64,6 +65,7 @@ from rlbus.bus.connection import request
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
+from .book import Book
 from .engine import Engine
 from .updates import WeightUpdates
 from .repair import RepairSource
@@ -99,24 +101,19 @@ class WorkerService:
         self.opts = options
         self.subjects = options.subjects
         self.id = options.worker_id
-        self.epoch = 0
-        """Highest controller epoch seen; commands from older epochs are refused (fencing)."""
+        self.book = Book()
+        """What it holds and how it stands: the one owner of the worker's bookkeeping."""
+        engine.attach(self.book)
         self._micro: Service | None = None
         self._stop = anyio.Event()
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self._endpoints = Endpoints(self._tg, f"worker {self.id}")
-        self.updates = WeightUpdates(engine, options.weight_transfer_backend, options.update_mode)
+        self.updates = WeightUpdates(engine, self.book, options.weight_transfer_backend, options.update_mode)
         self.repair = RepairSource(engine, options.weight_transfer_backend)
         """Sends this worker's committed weights to workers that are behind (repair.py)."""
-        self.withheld = True
-        """Takes no rl.generate traffic: until a controller has synced it (brought it to the
-        fleet's desired state), while it is behind the committed version, and after it finds
-        it was silent longer than the controller's liveness timeout (it may have been dropped)."""
         self._liveness_s = 3.0
         self._recovering = False
         """The engine was seen recovering from a failed load (see _follow_recovery)."""
-        self.controller_id = ""
-        """The controller that last synced this worker."""
         self._last_beat = time.monotonic()
         self._generate_service: Service | None = None
 
@@ -135,24 +132,22 @@ class WorkerService:
         )
 
     def state(self) -> WorkerState:
-        e = self.engine
+        """What the engine reports of the model, the books, and the open session."""
+        e, b = self.engine, self.book
         return WorkerState(
             worker_id=self.id,
             **msgspec.structs.asdict(e.status()),
-            epoch=self.epoch,
-            controller_id=self.controller_id,
-            weight_version=e.weight_version,
-            weight_seq=e.weight_seq,
-            draft_version=e.draft_version,
-            draft_seq=self.updates.draft_seq,
-            dirty=e.dirty,
-            withheld=self.withheld,
+            epoch=b.epoch,
+            controller_id=b.controller_id,
+            weight_version=b.main.version,
+            weight_seq=b.main.seq,
+            draft_version=b.draft.version if e.has_draft_model else None,
+            draft_seq=b.draft.seq,
+            dirty=b.dirty or e.recovering,  # a vLLM restarting after a failed load is dirty too
+            withheld=b.withheld,
             session_id=self.updates.session_id,
             transfer_ready=self.updates.transfer_ready,
             transfer_group=self.updates.init.group_name if self.updates.init else None,
-            draft_stale=e.draft_stale,
-            spec_proposed=e.spec_proposed,
-            spec_accepted=e.spec_accepted,
         )
 
     def ack(self) -> WorkerAck:
@@ -224,7 +219,7 @@ class WorkerService:
         live worker holds the id. No responders means it is free (a dead worker's
         subscriptions go with its connection). A holder that does not answer in time is
         frozen, not gone (SIGSTOP, a partition): refused as well, since it may come back."""
-        subject = self.subjects.worker(self.id, op_of(GetStatus))
+        subject = self.subjects.worker(self.id, op_of(StatusWorker))
         try:
             await request(self.nc, subject, b"", ID_PROBE_TIMEOUT_S)
         except NoRespondersError:
@@ -255,7 +250,7 @@ class WorkerService:
     async def _heartbeat(self) -> None:
         while True:
             await anyio.sleep(self.opts.heartbeat_s)
-            if self._silent_too_long() and not self.withheld:
+            if self._silent_too_long() and not self.book.withheld:
                 log.warning("worker %s was silent %.1fs: no generation until the controller reconciles it",
                             self.id, time.monotonic() - self._last_beat)
                 await self._withhold(True)
@@ -276,8 +271,8 @@ class WorkerService:
         except DecodeError:
             return
         if isinstance(hello, ControllerHello):
-            if hello.epoch > self.epoch:  # a newer controller: fence the older one out at once
-                self.epoch, self.controller_id = hello.epoch, hello.controller_id
+            if hello.epoch > self.book.epoch:  # a newer controller: fence the older one out at once
+                self.book.follow(hello.controller_id, hello.epoch)
             # an equal epoch from another controller is not adopted: announcing (epoch, controller)
             # as they are tells that controller its epoch was already used (its state was lost)
             await self.announce()
@@ -291,20 +286,20 @@ class WorkerService:
         r.add(PauseWorker, self._pause, inline=self._idle)
         r.add(ResumeWorker, self._resume, inline=True)
         r.add(SleepWorker, self._sleep)
-        r.add(WakeWorker, self._wake_up)
-        r.add(GetStatus, self._status, inline=True, read=True)
-        r.add(JoinTransfer, self._join_transfer)
-        r.add(OpenSession, self._open_session, inline=True)
-        r.add(ReceiveWeights, self._receive_weights)
-        r.add(PrepareCommit, self._prepare)
-        r.add(Commit, self._commit)
-        r.add(AbortSession, self._abort_session, inline=True)
-        r.add(SetVersion, self._set_version)
-        r.add(Sync, self._sync)
-        r.add(HashWeights, self._hash_weights, read=True)
-        r.add(OfferWeights, self._offer_weights)
-        r.add(SendWeights, self._send_weights)
-        r.add(LeaveTransfer, self._leave_transfer, inline=True)
+        r.add(WakeUpWorker, self._wake_up)
+        r.add(StatusWorker, self._status, inline=True, read=True)
+        r.add(InitWeightTransferWorker, self._join_transfer)
+        r.add(StartWeightUpdateWorker, self._open_session, inline=True)
+        r.add(UpdateWeightsWorker, self._receive_weights)
+        r.add(PrepareWorker, self._prepare)
+        r.add(CommitWorker, self._commit)
+        r.add(AbortWeightUpdateWorker, self._abort_session, inline=True)
+        r.add(UpdateWeightVersionWorker, self._set_version)
+        r.add(SyncWorker, self._sync)
+        r.add(HashWeightsWorker, self._hash_weights, read=True)
+        r.add(OfferWeightsWorker, self._offer_weights)
+        r.add(SendWeightsWorker, self._send_weights)
+        r.add(LeaveWeightTransferWorker, self._leave_transfer, inline=True)
         return r
 
     def _idle(self, cmd: PauseWorker) -> bool:
@@ -313,122 +308,132 @@ class WorkerService:
 
     def _fenced(self, handler: Handler) -> Handler:
         async def run(cmd: WorkerCommand) -> object:
-            if cmd.epoch < self.epoch:
+            if cmd.epoch < self.book.epoch:
                 raise FailedPrecondition(
-                    f"command from controller epoch {cmd.epoch} refused: epoch {self.epoch} has taken over"
+                    f"command from controller epoch {cmd.epoch} refused: epoch {self.book.epoch} has taken over"
                 )
             result = await handler(cmd)
-            self.epoch = max(self.epoch, cmd.epoch)  # only a command that ran moves the fence
+            self.book.obey(cmd.epoch)  # only a command that ran moves the fence
             return result
 
         return run
 
+    # ---- pause, sleep and their opposites: one way to the state asked for -----------------
+
+    def _held_state(self) -> FleetState:
+        """Where the engine stands, as a target: a command changes one part of it."""
+        st = self.engine.status()
+        return FleetState(paused=st.paused, pause_mode=st.pause_mode, sleep_level=st.sleep_level,
+                          sleeping_tags=st.sleeping_tags)
+
+    async def converge(self, want: FleetState) -> None:
+        """Bring the engine to `want`: paused in its mode (or running), the parts asleep that it
+        names and no others. Every pause, resume, sleep and wake goes through here, commanded
+        one at a time or synced as a whole (the fleet's desired state)."""
+        held = self.engine.status()
+        if want.paused and (not held.paused or held.pause_mode != want.pause_mode):
+            await self.engine.pause(want.pause_mode or "abort")
+        elif not want.paused and held.paused:
+            await self.engine.resume()
+        to_sleep = [t for t in want.sleeping_tags if t not in held.sleeping_tags]
+        if to_sleep:
+            await self.engine.sleep(want.sleep_level or 1, to_sleep)
+            if "weights" in to_sleep:
+                self.updates.abort("")  # an update session cannot survive its weights going to sleep
+        to_wake = [t for t in held.sleeping_tags if t not in want.sleeping_tags]
+        if to_wake:
+            await self.engine.wake_up(to_wake)
+
     async def _pause(self, cmd: PauseWorker) -> WorkerAck:
-        await self.engine.pause(cmd.mode)
+        await self.converge(msgspec.structs.replace(self._held_state(), paused=True, pause_mode=cmd.mode))
         return self.ack()
 
     async def _resume(self, cmd: ResumeWorker) -> WorkerAck:
-        await self.engine.resume()
+        await self.converge(msgspec.structs.replace(self._held_state(), paused=False, pause_mode=None))
         return self.ack()
 
     async def _sleep(self, cmd: SleepWorker) -> WorkerAck:
-        tags = _tags(cmd.tags)
-        await self.engine.sleep(cmd.level, tags)
-        if "weights" in tags:
-            self.updates.abort("")  # an update session cannot survive its weights going to sleep
+        held, tags = self._held_state(), _tags(cmd.tags)
+        asleep = [t for t in SLEEP_TAGS if t in tags or t in held.sleeping_tags]
+        await self.converge(msgspec.structs.replace(held, sleep_level=cmd.level, sleeping_tags=asleep))
         return self.ack()
 
-    async def _wake_up(self, cmd: WakeWorker) -> WorkerAck:
-        await self.engine.wake_up(_tags(cmd.tags))
+    async def _wake_up(self, cmd: WakeUpWorker) -> WorkerAck:
+        held, tags = self._held_state(), _tags(cmd.tags)
+        await self.converge(msgspec.structs.replace(held, sleeping_tags=[t for t in held.sleeping_tags if t not in tags]))
         return self.ack()
 
-    async def _status(self, cmd: GetStatus) -> WorkerAck:
+    # ---- the other commands -----------------------------------------------------------------
+
+    async def _status(self, cmd: StatusWorker) -> WorkerAck:
         return self.ack()
 
-    async def _join_transfer(self, cmd: JoinTransfer) -> WorkerAck:
+    async def _join_transfer(self, cmd: InitWeightTransferWorker) -> WorkerAck:
         await self.updates.join(cmd.init_info, cmd.rank)
         return self.ack()
 
-    async def _open_session(self, cmd: OpenSession) -> WorkerAck:
+    async def _open_session(self, cmd: StartWeightUpdateWorker) -> WorkerAck:
         if cmd.base_seq is not None and self.updates.session_id != cmd.session_id:
-            problem = self.updates.base_problem(cmd.target, cmd.base_seq, self.withheld)
+            problem = self.updates.base_problem(cmd.target, cmd.base_seq)
             if problem:
                 raise FailedPrecondition(f"worker {self.id} cannot apply a delta: {problem}; push dense weights")
         self.updates.start(cmd.session_id, cmd.target, cmd.base_seq)
         return self.ack()
 
-    async def _receive_weights(self, cmd: ReceiveWeights) -> WorkerAck:
+    async def _receive_weights(self, cmd: UpdateWeightsWorker) -> WorkerAck:
         if cmd.check_only:
             self.updates.check(cmd.session_id, cmd.params, cmd.buckets)
         else:
             self.updates.receive(cmd.session_id, cmd.params, cmd.buckets, self._tg)
         return self.ack()
 
-    async def _prepare(self, cmd: PrepareCommit) -> WorkerAck:
+    async def _prepare(self, cmd: PrepareWorker) -> WorkerAck:
         results = {"tensor_checksums": cmd.tensor_checksums} if cmd.tensor_checksums else {}  # a delta session's
         await self.updates.prepare(cmd.session_id, self.opts.receive_timeout_s, cmd.checksums, **results)
         return self.ack()
 
-    async def _commit(self, cmd: Commit) -> WorkerAck:
+    async def _commit(self, cmd: CommitWorker) -> WorkerAck:
         target = self.updates.session.target if self.updates.session else "main"
         try:
-            await self.updates.commit(cmd.session_id, cmd.weight_version)
+            await self.updates.commit(cmd.session_id, cmd.weight_version, cmd.seq)
         except Exception:
             await self._follow_recovery()  # a failed load: out of the generate queue at once
             raise
         if target == "main":
-            self.engine.weight_seq = cmd.seq  # no await since the commit: replies see both at once
             await self._withhold(False)  # it holds the committed weights now
-        else:
-            self.updates.draft_seq = cmd.seq
         return self.ack()
 
-    async def _abort_session(self, cmd: AbortSession) -> WorkerAck:
+    async def _abort_session(self, cmd: AbortWeightUpdateWorker) -> WorkerAck:
         self.updates.abort(cmd.session_id)
         return self.ack()
 
-    async def _set_version(self, cmd: SetVersion) -> WorkerAck:
-        self.updates.set_version(cmd.new_version)
-        self.engine.weight_seq = cmd.seq
+    async def _set_version(self, cmd: UpdateWeightVersionWorker) -> WorkerAck:
+        self.updates.set_version(cmd.new_version, cmd.seq)
         await self._withhold(False)
         return self.ack()
 
-    async def _sync(self, cmd: Sync) -> WorkerAck:
+    async def _sync(self, cmd: SyncWorker) -> WorkerAck:
         """Take the fleet's desired state, then generation traffic if it holds the committed version."""
         self._liveness_s = cmd.liveness_s
         self._last_beat = time.monotonic()
-        self.controller_id = cmd.controller_id
-        want, status = cmd.desired, self.engine.status()
-        if want.paused and (not status.paused or status.pause_mode != want.pause_mode):
-            await self.engine.pause(want.pause_mode or "abort")
-        elif not want.paused and status.paused:
-            await self.engine.resume()
-        to_sleep = [t for t in want.sleeping_tags if t not in status.sleeping_tags]
-        if to_sleep:
-            await self.engine.sleep(want.sleep_level or 1, to_sleep)
-            if "weights" in to_sleep:
-                self.updates.abort("")  # no session survives its weights going to sleep
-        to_wake = [t for t in status.sleeping_tags if t not in want.sleeping_tags]
-        if to_wake:
-            await self.engine.wake_up(to_wake)
-        current = self.engine.weight_version == cmd.committed_version
-        if current:
-            self.engine.weight_seq = cmd.seq
+        self.book.follow(cmd.controller_id)
+        await self.converge(cmd.desired)
+        current = self.book.take_seq(cmd.committed_version, cmd.seq)
         await self._withhold(not current)
         return self.ack()
 
-    async def _hash_weights(self, cmd: HashWeights) -> WorkerAck:
+    async def _hash_weights(self, cmd: HashWeightsWorker) -> WorkerAck:
         return WorkerAck(state=self.state(), tensor_checksums=await hash_weights(self.engine, cmd.target))
 
-    async def _offer_weights(self, cmd: OfferWeights) -> WorkerAck:
-        if self.withheld:
+    async def _offer_weights(self, cmd: OfferWeightsWorker) -> WorkerAck:
+        if self.book.withheld:
             raise FailedPrecondition(f"worker {self.id} is withheld (not on the committed weights): it cannot be a repair source")
         return WorkerAck(state=self.state(), offer=self.repair.offer(cmd.target, cmd.init_info))
 
-    async def _send_weights(self, cmd: SendWeights) -> WorkerAck:
+    async def _send_weights(self, cmd: SendWeightsWorker) -> WorkerAck:
         return WorkerAck(state=self.state(), sent_checksums=await self.repair.send(cmd.group_name, cmd.first, cmd.last))
 
-    async def _leave_transfer(self, cmd: LeaveTransfer) -> WorkerAck:
+    async def _leave_transfer(self, cmd: LeaveWeightTransferWorker) -> WorkerAck:
         if self.repair.group_name == cmd.group_name:
             self.repair.close()
         if self.updates.init is not None and self.updates.init.group_name == cmd.group_name and self.updates.session is None:
@@ -437,10 +442,9 @@ class WorkerService:
 
     async def _withhold(self, behind: bool) -> None:
         """Withhold this worker from generation while it is behind the committed version."""
-        if behind != self.withheld:
+        if self.book.withhold(behind):
             log.log(logging.WARNING if behind else logging.INFO, "worker %s %s", self.id,
                     "withheld: no generation until it holds the committed weights" if behind else "serves generation")
-        self.withheld = behind
         await self._serve_generation(not behind)
 
     async def _serve_generation(self, on: bool) -> None:
@@ -471,7 +475,7 @@ class WorkerService:
         except DecodeError as e:
             raise ServiceError(UNDECODABLE_STATUS, f"undecodable generate payload: {e}") from None
 
-        if self.withheld or self._silent_too_long():  # delivered before it left the queue group
+        if self.book.withheld or self._silent_too_long():  # delivered before it left the queue group
             await req.respond(encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack()))
             return
 

@@ -42,6 +42,7 @@ from rlbus.transfer.checksum import checksum
 from rlbus.transfer.factory import worker_transfer
 from rlbus.transfer.stream import recv_buckets, sole_tensor_bytes, verify
 
+from .book import Book
 from .engine import Engine
 
 log = logging.getLogger("rlbus.worker.updates")
@@ -123,8 +124,10 @@ class WeightUpdates:
     joins and receives run in daemon threads, and a group is closed without waiting for
     them (abort and teardown return at once whatever the data plane is doing)."""
 
-    def __init__(self, engine: Engine, backend: Backend | None, mode: UpdateMode) -> None:
+    def __init__(self, engine: Engine, book: Book, backend: Backend | None, mode: UpdateMode) -> None:
         self.engine = engine
+        self.book = book
+        """The worker's books: a commit, a relabel and a torn in_place abort are recorded there."""
         self.backend = backend
         self.mode = mode
         self.rx: WorkerTransfer | None = None
@@ -133,8 +136,6 @@ class WeightUpdates:
         self._recv_lock = anyio.Lock()  # broadcasts arrive in order: one receive at a time
         self._joining: anyio.CancelScope | None = None
         """The join waiting for its rendezvous, if any."""
-        self.draft_seq = 0
-        """Commit sequence of the draft weights held (the main one is the engine's weight_seq)."""
 
     @property
     def transfer_ready(self) -> bool:
@@ -193,18 +194,18 @@ class WeightUpdates:
             raise FailedPrecondition(f"session {session_id} is not this worker's open session {s.session_id}")
         return s
 
-    def base_problem(self, target: UpdateTarget, base_seq: int, withheld: bool) -> str | None:
+    def base_problem(self, target: UpdateTarget, base_seq: int) -> str | None:
         """Why a delta against commit `base_seq` cannot be applied here (None: it can): the
         weights held must be exactly that commit, clean and loaded."""
-        e = self.engine
-        held = e.weight_seq if target == "main" else self.draft_seq
+        b = self.book
+        held = b.main.seq if target == "main" else b.draft.seq
         if held != base_seq:
             return f"it holds {target} commit seq {held}, not the delta's base {base_seq}"
-        if target == "main" and e.dirty:
+        if target == "main" and b.dirty:
             return "its weights are dirty (an in_place update was aborted)"
-        if target == "main" and not e.status().weights_loaded:
+        if target == "main" and not self.engine.status().weights_loaded:
             return "its weights were discarded (level-2 sleep)"
-        if withheld:
+        if b.withheld:
             return "it is withheld (not yet synced to the committed version)"
         return None
 
@@ -383,24 +384,24 @@ class WeightUpdates:
             return f"{len(bad)} tensors are not bit-identical to the trainer's after the update: {bad[:MAX_NAMED_PROBLEMS]}"
         return None
 
-    async def commit(self, session_id: str, version: str | None) -> None:
-        """Phase 2 of finish: apply staged tensors, take the version, close the session."""
+    async def commit(self, session_id: str, version: str | None, seq: int) -> None:
+        """Phase 2 of finish: apply staged tensors, take the version and its seq (together, in
+        the engine's load: the label moves with the weights), close the session."""
         s = self._open(session_id)
         if version is not None and (problem := version_problem(version)):
             raise InvalidArgument(problem)
         if s.receiving or s.failure is not None or not s.verified:
             raise Internal("commit before a successful prepare: nothing unverified is applied")
+
+        def take() -> None:
+            self.book.commit(s.target, version, seq)
+
         if s.staged or s.received:
             written = set() if self.mode == "staged" else s.received
-            await self.engine.load_weights(s.target, s.staged, written)
-        s.staged.clear()
-        if s.target == "main":
-            self.engine.dirty = False
-            if version is not None:
-                self.engine.weight_version = version
+            await self.engine.load_weights(s.target, s.staged, written, loaded=take)
         else:
-            if version is not None:
-                self.engine.draft_version = version
+            take()
+        s.staged.clear()
         self.session = None
         await detached(release_freed_memory, name="rlbus-trim")  # the shadow copy's pages go back to the OS
 
@@ -413,21 +414,20 @@ class WeightUpdates:
         touched = s.stop()
         if s.receiving:
             self.teardown()
-        if self.mode == "in_place" and touched and s.target == "main":
-            self.engine.dirty = True
-        elif self.mode == "in_place" and touched:
-            self.draft_seq = -1  # half-written: no delta may take it for any commit's bits
+        if self.mode == "in_place" and touched:
+            self.book.tear(s.target)  # half-written: dirty (main); no delta may take the draft as a base
         s.staged.clear()
         self.session = None
         threading.Thread(target=release_freed_memory, name="rlbus-trim", daemon=True).start()
         return True
 
-    def set_version(self, version: str) -> None:
+    def set_version(self, version: str, seq: int) -> None:
+        """update_weight_version: the weights held take a new version and seq."""
         if problem := version_problem(version):
             raise InvalidArgument(problem)
         if self.session is not None:
             raise FailedPrecondition(f"session {self.session.session_id} is open; finish or abort it first")
-        self.engine.weight_version = version
+        self.book.relabel(version, seq)
 
 
 def release_freed_memory() -> None:

@@ -15,7 +15,7 @@ import pytest
 import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster, NatsServer
-from rlbus.schemas import Commit, FleetEvent, Subjects
+from rlbus.schemas import CommitWorker, FleetEvent, Subjects
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 from tests.clusterfleet import Published
@@ -105,13 +105,13 @@ async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_every
             return await real(*args, **kw)
 
         monkeypatch.setattr(rl.push, "finish", finish)
-    else:  # kill the node under the controller right after phase 2 (Commit) answered
+    else:  # kill the node under the controller right after phase 2 (CommitWorker) answered
         send = f.controller.fleet.send
 
         async def send_then_kill(build, workers=None, timeout=None):  # noqa: ANN001, ANN202
             out = await send(build, workers, timeout)
             ids = workers or f.controller.registry.ids()
-            if ids and isinstance(build(ids[0], 0, ""), Commit) and not killed.is_set():
+            if ids and isinstance(build(ids[0], 0, ""), CommitWorker) and not killed.is_set():
                 node.kill()
                 killed.set()
             return out
@@ -185,7 +185,7 @@ async def test_a_worker_whose_node_is_killed_reconnects_and_is_reconciled(fleet,
             with anyio.fail_after(60):
                 ack = await rl.push_weights(trained(86), version)
             assert "wx" in [x.worker_id for x in ack.workers]
-            assert w.engine.weight_version == version
+            assert w.book.main.version == version
         finally:
             await own.close()
             home.start_again()

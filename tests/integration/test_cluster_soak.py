@@ -21,7 +21,7 @@ import pytest
 import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
-from rlbus.schemas import Commit
+from rlbus.schemas import CommitWorker
 from rlbus.sdk.client import RLClient
 from tests.clusterfleet import Published, cluster_fleet
 from tests.waiting import eventually
@@ -132,7 +132,7 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
                     async def send_then_kill(build, workers=None, timeout=None, send=send, node=node, fired=fired):  # noqa: ANN001, ANN202
                         out = await send(build, workers, timeout)
                         ids = workers or f.controller.registry.ids()
-                        if ids and not fired.is_set() and isinstance(build(ids[0], 0, ""), Commit):
+                        if ids and not fired.is_set() and isinstance(build(ids[0], 0, ""), CommitWorker):
                             node.kill()
                             fired.set()
                         return out
@@ -160,7 +160,7 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
             assert len(got) == len(set(got)) and got == [c for c in committed if c in got], f"{p.node.url}: {got}"
             assert [v.seq for v in p.seen] == sorted({v.seq for v in p.seen}), "commit sequences strictly increase"
     for wid in WORKERS:
-        assert f.workers[wid].engine.weight_version == last
+        assert f.workers[wid].book.main.version == last
         assert_holds(f, wid, holds)
     took = time.monotonic() - started
     print(f"\ncluster soak (seed {SEED}): {dict(Counter(plan))}, {len(committed)} commits, failures {dict(failures)}, "

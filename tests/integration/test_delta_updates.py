@@ -56,7 +56,7 @@ def assert_fleet_holds(fleet, named, target: str = "main") -> None:  # noqa: ANN
         part = w.engine.main if target == "main" else w.engine.draft
         have = sums(part.model.named_parameters())
         assert have == want, f"{wid}: {[n for n in want if have.get(n) != want[n]]} differ"
-        assert not w.engine.dirty
+        assert not w.book.dirty
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "-".join(c))
@@ -139,14 +139,15 @@ async def test_a_tensor_that_changed_entirely_goes_dense(fleet, master):
 async def test_a_worker_on_another_base_refuses_and_the_push_falls_back_to_dense(fleet, master):
     f, rl = fleet
     await _push(rl, master)
-    f.workers["w1"].engine.weight_seq += 7  # holds another commit than the trainer's base
+    w1 = f.workers["w1"].book
+    w1.relabel(w1.main.version, w1.main.seq + 7)  # holds another commit than the trainer's base
     master.step()
     named, st = await _push(rl, master)
     assert not st.delta and st.committed and st.fallback is not None
     assert "w1" in st.fallback and "w0" not in st.fallback.split("failed on")[-1].split("w1")[0]
     assert st.tensors_dense == st.tensors and st.bytes_sent >= st.bytes_dense
     assert_fleet_holds(f, named)
-    seqs = {w.engine.weight_seq for w in f.workers.values()}
+    seqs = {w.book.main.seq for w in f.workers.values()}
     assert len(seqs) == 1
     master.step()
     named, st = await _push(rl, master)  # consistent again: deltas resume
@@ -157,7 +158,8 @@ async def test_a_worker_on_another_base_refuses_and_the_push_falls_back_to_dense
 async def test_a_delta_refusal_names_the_worker_with_failed_precondition(fleet, master):
     f, rl = fleet
     await _push(rl, master)
-    f.workers["w0"].engine.weight_seq += 3
+    w0 = f.workers["w0"].book
+    w0.relabel(w0.main.version, w0.main.seq + 3)
     try:
         await rl.pause("wait")
         with pytest.raises(rlbus.FailedPrecondition) as err:
@@ -167,7 +169,7 @@ async def test_a_delta_refusal_names_the_worker_with_failed_precondition(fleet, 
         assert (await rl.server_info()).session_id is None
         assert all(w.updates.session is None for w in f.workers.values())
     finally:
-        f.workers["w0"].engine.weight_seq -= 3
+        w0.relabel(w0.main.version, w0.main.seq - 3)
         await rl.resume()
 
 
@@ -247,7 +249,7 @@ async def test_draft_deltas_work(fleet):
         st = rl.last_push
         assert st.target == "draft" and st.delta == (k > 0) and st.committed
         assert_fleet_holds(f, named, target="draft")
-    seqs = {w.updates.draft_seq for w in f.workers.values()}
+    seqs = {w.book.draft.seq for w in f.workers.values()}
     assert len(seqs) == 1 and seqs.pop() == (await rl.get_weight_version_info()).draft_seq
 
 

@@ -132,14 +132,14 @@ async def test_a_controller_killed_mid_session_is_replaced_by_one_that_aborts_th
         await f.wait_for_workers(WORKERS)
         await eventually(lambda: all(w.updates.session_id is None for w in f.workers.values()), timeout=5,
                          what="the orphaned session aborted on every worker")
-        await eventually(lambda: all(w.epoch == new.epoch for w in f.workers.values()), timeout=5,
+        await eventually(lambda: all(w.book.epoch == new.epoch for w in f.workers.values()), timeout=5,
                          what="every worker saw the new epoch")
         info = await rl.server_info()
         assert info.controller_id == new.id and info.epoch == new.epoch
         assert info.weight_version == committed and info.session_id is None
         for wid, w in f.workers.items():
             assert_holds(f, wid, committed_named)  # the orphan's staged bytes never landed
-            assert w.engine.weight_version == committed
+            assert w.book.main.version == committed
         assert await first_watched_version(rl) == committed
         assert await rl.get_weight_version() == committed
         assert tokens_of(await generate_all(rl)) == greedy(committed_named)
@@ -194,7 +194,7 @@ async def test_a_worker_refuses_a_command_stamped_with_an_older_epoch(fleet, nat
     await f.stop(f.controller)
     new = await f.start_controller(_options(p))
     await f.wait_for_workers(WORKERS)
-    await eventually(lambda: all(w.epoch == new.epoch for w in f.workers.values()), timeout=5,
+    await eventually(lambda: all(w.book.epoch == new.epoch for w in f.workers.values()), timeout=5,
                      what="every worker saw the new epoch")
     assert new.epoch > old_epoch
     w0 = f.workers["w0"]
@@ -210,7 +210,7 @@ async def test_a_worker_refuses_a_command_stamped_with_an_older_epoch(fleet, nat
         assert isinstance(reply, Nack), f"a command from epoch {old_epoch} was obeyed: {reply!r}"
         assert reply.code == "FAILED_PRECONDITION"
         assert str(old_epoch) in reply.message
-        assert w0.epoch == new.epoch, "a refused command must not move the worker's epoch"
+        assert w0.book.epoch == new.epoch, "a refused command must not move the worker's epoch"
         assert w0.state() == before
         assert not await rl.is_paused()
 
@@ -285,7 +285,7 @@ async def test_a_standby_controller_takes_over_a_killed_leader_once_its_lease_la
             assert standby.epoch > leader.epoch
             info = await rl.server_info()
             assert info.weight_version == "before-the-kill" and info.session_id is None
-            await eventually(lambda: all(w.epoch == standby.epoch for w in f.workers.values()), timeout=5,
+            await eventually(lambda: all(w.book.epoch == standby.epoch for w in f.workers.values()), timeout=5,
                              what="every worker fenced to the new epoch")
             ack = await rl.push_weights(trained(22), "after-takeover")
             assert ack.epoch == standby.epoch

@@ -99,7 +99,7 @@ async def test_a_worker_killed_mid_session_aborts_it_and_the_survivors_take_the_
         assert info.session_id is None and info.weight_version == "kept"
         for wid, w in f.workers.items():
             assert_holds(f, wid, old)
-            assert w.engine.weight_version == "kept"
+            assert w.book.main.version == "kept"
         replies = await generate_all(rl)
         assert tokens_of(replies) == greedy(old) and all(r.weight_version == "kept" for r in replies)
         assert await first_watched_version(rl) == "kept"
@@ -143,7 +143,7 @@ async def test_a_worker_too_slow_to_prepare_fails_the_finish_with_deadline_excee
         assert info.weight_version == "before-slow" and info.session_id is None
         for wid, w in f.workers.items():
             assert_holds(f, wid, old)
-            assert w.engine.weight_version == "before-slow"
+            assert w.book.main.version == "before-slow"
             assert w.updates.session_id is None
         assert await rl.get_weight_version() == "before-slow"
 
@@ -178,18 +178,18 @@ async def test_a_late_joiner_takes_no_traffic_until_a_peer_repaired_it_then_a_pu
         await f.wait_for_workers(["w2"])
         await eventually(lambda: [e for e in seen if e.event == "worker_stale"], timeout=3, what="a worker_stale event")
         assert [e.workers for e in seen if e.event == "worker_stale"] == [["w2"]]
-        while late.withheld:  # behind: every reply comes from the others, on v1
+        while late.book.withheld:  # behind: every reply comes from the others, on v1
             r = await rl.generate([1, 2, 3], 4)
             assert r.worker_id in {"w0", "w1"} and r.weight_version == "v1", "a stale worker answered generation"
         # repaired over shm from a peer, without a push
         assert [e.workers for e in seen if e.event == "worker_repaired"] == [["w2"]]
-        assert late.engine.weight_version == "v1"
+        assert late.book.main.version == "v1"
         assert_holds(f, "w2", v1)
 
         v2 = trained(22)
         ack = await rl.push_weights(v2, "v2")  # the trainer's group is rebuilt to include w2
         assert sorted(w.worker_id for w in ack.workers) == ["w0", "w1", "w2"]
-        assert not late.withheld and late.engine.weight_version == "v2"
+        assert not late.book.withheld and late.book.main.version == "v2"
         assert_holds(f, "w2", v2)
         assert not any(w.behind or w.state.withheld for w in (await rl.server_info()).workers)
 

@@ -21,21 +21,21 @@ from hypothesis import strategies as st
 
 from rlbus.schemas import (
     CONTROL_OPS,
-    AbortSession,
-    GetStatus,
-    OpenSession,
+    AbortWeightUpdateWorker,
+    StatusWorker,
+    StartWeightUpdateWorker,
     PauseWorker,
-    ReceiveWeights,
-    SetVersion,
+    UpdateWeightsWorker,
+    UpdateWeightVersionWorker,
     SleepWorker,
     TransferInit,
-    WakeWorker,
+    WakeUpWorker,
     ERROR_CODES,
     UNDECODABLE_STATUS,
     WORKER_OPS,
     AbortWeightUpdate,
     BucketMeta,
-    Commit,
+    CommitWorker,
     FinishWeightUpdate,
     GenerateRequest,
     GetServerInfo,
@@ -43,10 +43,10 @@ from rlbus.schemas import (
     Nack,
     ParamMeta,
     Pause,
-    PrepareCommit,
+    PrepareWorker,
     Sleep,
     StartWeightUpdate,
-    Sync,
+    SyncWorker,
     UpdateWeights,
     UpdateWeightVersion,
     WakeUp,
@@ -114,14 +114,16 @@ def worker_typed_but_wrong(epoch: int) -> st.SearchStrategy[object]:
         st.builds(PauseWorker, mode=text.filter(lambda m: m not in ("abort", "wait", "keep")), epoch=e, command_id=cid),
         st.builds(SleepWorker, level=st.integers().filter(lambda x: x not in (1, 2)), epoch=e, command_id=cid),
         st.builds(SleepWorker, level=st.sampled_from([1, 2]), tags=st.one_of(st.just([]), st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3)), epoch=e, command_id=cid),
-        st.builds(WakeWorker, tags=st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3), epoch=e, command_id=cid),
-        st.builds(OpenSession, session_id=text, target=text.filter(lambda t: t not in ("main", "draft")), epoch=e, command_id=cid),
-        st.builds(ReceiveWeights, params=st.lists(param_meta, max_size=4), buckets=st.lists(bucket_meta, max_size=3),
+        st.builds(WakeUpWorker, tags=st.lists(text.filter(lambda t: t not in ("weights", "kv_cache")), min_size=1, max_size=3),
+                  epoch=e, command_id=cid),
+        st.builds(StartWeightUpdateWorker, session_id=text, target=text.filter(lambda t: t not in ("main", "draft")),
+                  epoch=e, command_id=cid),
+        st.builds(UpdateWeightsWorker, params=st.lists(param_meta, max_size=4), buckets=st.lists(bucket_meta, max_size=3),
                   session_id=text, check_only=st.booleans(), epoch=e, command_id=cid),
-        st.builds(SetVersion, new_version=bad_versions, epoch=e, command_id=cid),
-        st.builds(PrepareCommit, session_id=text, epoch=e, command_id=cid),
-        st.builds(Commit, session_id=text, weight_version=st.one_of(st.none(), text), epoch=e, command_id=cid),
-        st.builds(Sync, committed_version=st.integers(), epoch=e, command_id=cid),  # wrong type: never decodes
+        st.builds(UpdateWeightVersionWorker, new_version=bad_versions, epoch=e, command_id=cid),
+        st.builds(PrepareWorker, session_id=text, epoch=e, command_id=cid),
+        st.builds(CommitWorker, session_id=text, weight_version=st.one_of(st.none(), text), epoch=e, command_id=cid),
+        st.builds(SyncWorker, committed_version=st.integers(), epoch=e, command_id=cid),  # wrong type: never decodes
     )
 
 
@@ -131,8 +133,9 @@ def control_harmless() -> st.SearchStrategy[object]:
 
 
 def worker_harmless(epoch: int) -> st.SearchStrategy[object]:
-    return st.one_of(st.builds(GetStatus, command_id=text, epoch=st.just(epoch)),
-                     st.builds(AbortSession, session_id=text, reason=text, epoch=st.just(epoch), command_id=text))
+    return st.one_of(st.builds(StatusWorker, command_id=text, epoch=st.just(epoch)),
+                     st.builds(AbortWeightUpdateWorker, session_id=text, reason=text, epoch=st.just(epoch),
+                               command_id=text))
 
 
 def payloads(ops: tuple[str, ...], typed_but_wrong: st.SearchStrategy[object],
@@ -206,7 +209,7 @@ async def _assert_unchanged(fleet, rl, named) -> None:  # noqa: ANN001
     assert not await rl.is_paused() and not await rl.is_sleeping()
     for wid in fleet.workers:
         assert_holds(fleet, wid, named)
-        assert fleet.workers[wid].engine.weight_version == VERSION
+        assert fleet.workers[wid].book.main.version == VERSION
     assert info.weight_version == VERSION
     assert await rl.get_weight_version() == VERSION
     assert await first_watched_version(rl) == VERSION
@@ -262,23 +265,20 @@ async def test_worker_subjects_refuse_garbage_and_change_nothing(fleet):
 async def test_a_refused_worker_command_from_a_future_epoch_does_not_fence_out_the_controller(fleet):
     f, rl, named = fleet
     epoch = (await rl.server_info()).epoch
-    msg = await _ask(rl, rl.subjects.worker("w0", "prepare"), encode(PrepareCommit(session_id="nope", epoch=epoch + 1000, command_id="future")))
+    future = PrepareWorker(session_id="nope", epoch=epoch + 1000, command_id="future")
+    msg = await _ask(rl, rl.subjects.worker("w0", "prepare"), encode(future))
     assert isinstance(reply_decoder.decode(msg.data), Nack)
-    try:
-        await rl.pause("wait")  # the real controller must still command w0
-        await rl.resume()
-    finally:
-        f.workers["w0"].epoch = epoch  # repair, so later tests see the real fleet
+    assert f.workers["w0"].book.epoch == epoch, "a refused command moved the worker's fence"
+    await rl.pause("wait")  # the real controller must still command w0
+    await rl.resume()
     await _assert_unchanged(f, rl, named)
 
 
 async def test_a_worker_refuses_an_invalid_version_sent_to_it_directly(fleet):
     f, rl, named = fleet
     epoch = (await rl.server_info()).epoch
-    msg = await _ask(rl, rl.subjects.worker("w0", "update_weight_version"), encode(SetVersion(new_version="", epoch=epoch, command_id="empty-version")))
+    empty = UpdateWeightVersionWorker(new_version="", epoch=epoch, command_id="empty-version")
+    msg = await _ask(rl, rl.subjects.worker("w0", "update_weight_version"), encode(empty))
     reply = reply_decoder.decode(msg.data)
-    try:
-        assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT", reply
-        assert f.workers["w0"].engine.weight_version == VERSION
-    finally:
-        f.workers["w0"].updates.set_version(VERSION)  # repair, so later checks see the real fleet
+    assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT", reply
+    assert f.workers["w0"].book.main.version == VERSION

@@ -121,7 +121,7 @@ async def test_server_info_names_no_repair_when_the_fleet_is_current(fleet):  # 
 
 def _serving(f, wid: str) -> bool:  # noqa: ANN001
     w = f.workers.get(wid)
-    return w is not None and not w.withheld and wid in f.controller.registry.ids()
+    return w is not None and not w.book.withheld and wid in f.controller.registry.ids()
 
 
 async def test_a_new_worker_gets_the_committed_draft_too(nats_server, prefix):  # noqa: ANN001

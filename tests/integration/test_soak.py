@@ -24,7 +24,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from rlbus.schemas import Commit, Subjects
+from rlbus.schemas import CommitWorker, Subjects
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -199,9 +199,9 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
         for wid, w in f.workers.items():
             assert w.updates.session_id is None, f"{wid} {where}"
             if wid in behind:
-                assert w.engine.weight_version != want, f"{wid} {where}"
+                assert w.book.main.version != want, f"{wid} {where}"
             else:
-                assert w.engine.weight_version == want, f"{wid} {where}"
+                assert w.book.main.version == want, f"{wid} {where}"
                 assert_holds(f, wid, holds)
         # no reply from weights other than the committed ones: version, sequence and tokens
         if everyone_behind:  # nobody may serve: the request finds no responders (short deadline)
@@ -284,7 +284,7 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
 
                     async def crash_after_commit(build, workers=None, timeout=None, send=send, old=old, phase2=phase2):  # noqa: ANN001, ANN202
                         out = await send(build, workers, timeout)
-                        if _builds(build, Commit, workers or old.registry.ids()):
+                        if _builds(build, CommitWorker, workers or old.registry.ids()):
                             await old.nc.close()  # dies here: nothing it does after phase 2 reaches anyone
                             phase2.set()
                         return out

@@ -149,7 +149,7 @@ async def test_after_a_push_vllm_greedy_equals_transformers_on_the_pushed_weight
     await rl.push_weights(named(trained), version="step-1")
 
     for wid, engine in engines.items():
-        assert engine.weight_version == "step-1", wid
+        assert engine.book.main.version == "step-1", wid
         for p in PROMPTS:
             reply = await greedy_on(engine, p)
             assert reply.tokens == expected[tuple(p)], (wid, p)
@@ -189,7 +189,7 @@ async def test_a_draft_push_changes_acceptance_as_vllm_measures_it(fleet, models
     assert identical >= 0.9 and restored >= 0.9, (stale, identical, other, restored)
     assert other <= 0.3 and stale <= 0.3, (stale, identical, other, restored)
     for e in engines.values():
-        assert e.draft_version == "draft-c" and e.weight_version == "step-1"
+        assert e.book.draft.version == "draft-c" and e.book.main.version == "step-1"
     # a draft push never touches the verifier: greedy output is still the verifier's own
     r = await greedy_on(engine, PROMPTS[0])
     assert r.tokens == await hf_greedy_async(models["other"], PROMPTS[0]) and r.draft_version == "draft-c"
@@ -334,15 +334,15 @@ async def test_a_failure_inside_vllms_load_is_never_served_and_the_worker_recove
     with pytest.raises(RLBusError):
         await rl.push_weights(named(pushed), version="step-2")
 
-    assert v0.weight_version == "step-1"
-    if v0.dirty:  # still restarting: it refuses rather than serve anything, and takes no traffic
-        assert svc.withheld
+    assert v0.book.main.version == "step-1"
+    if v0.recovering:  # still restarting: it refuses rather than serve anything, and takes no traffic
+        assert svc.book.withheld
         with pytest.raises(Unavailable):
             await greedy_on(v0, PROMPTS[0])
     await asyncio.wait_for(v0.wait_recovered(), 300)
     assert v0.restarts == 1
     # back on the committed weights, it asks to be reconciled and serves rl.generate again
-    await eventually(lambda: not svc.withheld, 30, what="v0 re-admitted after its recovery")
+    await eventually(lambda: not svc.book.withheld, 30, what="v0 re-admitted after its recovery")
     for p in PROMPTS:
         r = await greedy_on(v0, p)
         assert r.tokens == await hf_greedy_async(models["other"], p) and r.weight_version == "step-1", p
@@ -353,6 +353,6 @@ async def test_a_failure_inside_vllms_load_is_never_served_and_the_worker_recove
 
     await rl.push_weights(named(pushed), version="step-3")
     for e in engines.values():
-        assert e.weight_version == "step-3"
+        assert e.book.main.version == "step-3"
         for p in PROMPTS[:2]:
             assert (await greedy_on(e, p)).tokens == await hf_greedy_async(pushed, p)

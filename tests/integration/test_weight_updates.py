@@ -406,7 +406,9 @@ async def test_a_nack_from_one_worker_names_only_that_worker(nats_server, prefix
 async def test_get_weight_version_names_the_workers_that_disagree(fleet):
     f, rl = fleet
     committed = await rl.get_weight_version()
-    f.workers["w1"].engine.weight_version = "rogue"
+    w1 = f.workers["w1"].book
+    seq = w1.main.seq
+    w1.relabel("rogue", seq)
     try:
         with pytest.raises(rlbus.FailedPrecondition) as err:
             await rl.get_weight_version()
@@ -414,7 +416,7 @@ async def test_get_weight_version_names_the_workers_that_disagree(fleet):
         assert "rogue: ['w1']" in err.value.message
         assert f"{committed}: ['w0']" in err.value.message
     finally:
-        f.workers["w1"].engine.weight_version = committed
+        w1.relabel(committed, seq)
     assert await rl.get_weight_version() == committed
 
 

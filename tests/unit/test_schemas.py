@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import typing
+
 import msgspec
 import pytest
 
@@ -37,26 +39,27 @@ def _worker_commands() -> list[s.WorkerCommand]:
         s.PauseWorker(mode="keep", **stamp),
         s.ResumeWorker(**stamp),
         s.SleepWorker(level=2, tags=["weights"], **stamp),
-        s.WakeWorker(tags=["kv_cache"], **stamp),
-        s.GetStatus(**stamp),
-        s.JoinTransfer(init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3), rank=1, **stamp),
-        s.OpenSession(target="draft", session_id="abc", **stamp),
-        s.ReceiveWeights(
+        s.WakeUpWorker(tags=["kv_cache"], **stamp),
+        s.StatusWorker(**stamp),
+        s.InitWeightTransferWorker(init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3), rank=1,
+                                   **stamp),
+        s.StartWeightUpdateWorker(target="draft", session_id="abc", **stamp),
+        s.UpdateWeightsWorker(
             session_id="abc",
             params=[s.ParamMeta(name="w", dtype="bfloat16", shape=[2, 3], bucket=0, offset=0, nbytes=12)],
             buckets=[s.BucketMeta(index=0, nbytes=64)],
             check_only=True,
             **stamp,
         ),
-        s.PrepareCommit(session_id="abc", **stamp),
-        s.Commit(session_id="abc", weight_version="v", **stamp),
-        s.AbortSession(session_id="abc", reason="x", **stamp),
-        s.SetVersion(new_version="v2", **stamp),
-        s.Sync(committed_version="step-3", **stamp),
-        s.HashWeights(target="draft", **stamp),
-        s.OfferWeights(target="main", init_info=s.TransferInit(backend="gloo", world_size=2), **stamp),
-        s.SendWeights(group_name="g", first=0, last=2, **stamp),
-        s.LeaveTransfer(group_name="g", **stamp),
+        s.PrepareWorker(session_id="abc", **stamp),
+        s.CommitWorker(session_id="abc", weight_version="v", **stamp),
+        s.AbortWeightUpdateWorker(session_id="abc", reason="x", **stamp),
+        s.UpdateWeightVersionWorker(new_version="v2", **stamp),
+        s.SyncWorker(committed_version="step-3", **stamp),
+        s.HashWeightsWorker(target="draft", **stamp),
+        s.OfferWeightsWorker(target="main", init_info=s.TransferInit(backend="gloo", world_size=2), **stamp),
+        s.SendWeightsWorker(group_name="g", first=0, last=2, **stamp),
+        s.LeaveWeightTransferWorker(group_name="g", **stamp),
     ]
 
 
@@ -73,6 +76,13 @@ def test_every_worker_command_round_trips_through_the_worker_decoder(cmd):
 def test_every_command_tag_is_an_op_name():
     assert set(s.CONTROL_OPS) == {s.op_of(c) for c in _control_commands()}
     assert set(s.WORKER_OPS) == {s.op_of(c) for c in _worker_commands()}
+
+
+def test_every_worker_command_is_named_after_its_wire_tag():
+    """The tag is the contract; the class says it: `start_weight_update` -> StartWeightUpdateWorker."""
+    for cls in typing.get_args(s.AnyWorkerCommand):
+        tag = s.op_of(cls)
+        assert cls.__name__ == "".join(w.capitalize() for w in tag.split("_")) + "Worker", (cls.__name__, tag)
 
 
 def test_a_worker_command_needs_the_controllers_stamp():

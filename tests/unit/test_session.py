@@ -6,13 +6,13 @@ import pytest
 
 from rlbus.services.controller.session import (
     Abort,
-    Committed,
+    CommitDone,
     Committing,
     Failed,
     Finish,
     Idle,
     Open,
-    SetVersion,
+    VersionSet,
     SleepWeights,
     Start,
     Update,
@@ -29,7 +29,7 @@ TABLE = [
     (Idle(), Update(), None, "FAILED_PRECONDITION", False),
     (Idle(), Finish("v1"), None, "FAILED_PRECONDITION", False),
     (Idle(), Abort(), Idle(), None, False),
-    (Idle(), SetVersion(), Idle(), None, False),
+    (Idle(), VersionSet(), Idle(), None, False),
     (OPEN, Start("s2", "main", 1), None, "FAILED_PRECONDITION", False),
     (OPEN, Update(), Open("s1", "main", 1, 1), None, False),
     (OPEN, Update("other"), None, "FAILED_PRECONDITION", False),
@@ -38,8 +38,8 @@ TABLE = [
     (OPEN, Abort(), Idle(), None, True),
     (OPEN, WorkerLost("w1"), Idle(), None, True),
     (OPEN, SleepWeights(), Idle(), None, True),
-    (OPEN, SetVersion(), None, "FAILED_PRECONDITION", False),
-    (COMMITTING, Committed(), Idle(), None, False),
+    (OPEN, VersionSet(), None, "FAILED_PRECONDITION", False),
+    (COMMITTING, CommitDone(), Idle(), None, False),
     (COMMITTING, Failed("nack"), Idle(), None, True),
     (COMMITTING, WorkerLost("w0"), Idle(), None, True),
     (COMMITTING, Start("s2", "main", 1), None, "FAILED_PRECONDITION", False),
@@ -66,7 +66,7 @@ def test_finish_without_start_is_refused_with_a_hint():
 
 def test_a_full_session_returns_to_idle():
     st = Idle()
-    for ev in [Start("s", "draft", 2), Update(), Update(), Finish(None), Committed()]:
+    for ev in [Start("s", "draft", 2), Update(), Update(), Finish(None), CommitDone()]:
         out = step(st, ev)
         assert out.refusal is None
         st = out.state

@@ -15,6 +15,7 @@ import torch
 
 from rlbus.schemas import TransferInit, UpdateMode
 from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
+from rlbus.services.worker.book import Book
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.updates import WeightUpdates
 from rlbus.transfer import TrainerTransfer, prepare, send_stream, trainer_transfer
@@ -26,7 +27,9 @@ RECEIVE_TIMEOUT_S = 10.0
 
 
 def worker(mode: UpdateMode = "staged") -> WeightUpdates:
-    return WeightUpdates(ReferenceEngine(MODEL), "shm", mode)
+    engine, book = ReferenceEngine(MODEL), Book()
+    engine.attach(book)
+    return WeightUpdates(engine, book, "shm", mode)
 
 
 @asynccontextmanager
@@ -135,18 +138,18 @@ async def test_metadata_that_does_not_match_the_model_is_refused_naming_the_tens
 async def test_commit_without_an_open_session_is_refused():
     updates = worker()
     with pytest.raises(FailedPrecondition):
-        await updates.commit("s1", "v1")
-    assert updates.engine.weight_version == "default"
+        await updates.commit("s1", "v1", 1)
+    assert updates.book.main.version == "default"
 
 
 async def test_commit_for_another_session_id_is_refused_and_the_open_session_stays():
     updates = worker()
     updates.start("s1", "main")
     with pytest.raises(FailedPrecondition) as err:
-        await updates.commit("s2", "v1")
+        await updates.commit("s2", "v1", 1)
     assert "s2" in err.value.message and "s1" in err.value.message
     assert updates.session_id == "s1"
-    assert updates.engine.weight_version == "default"
+    assert updates.book.main.version == "default"
 
 
 async def test_commit_of_received_bytes_without_a_prepare_is_refused():
@@ -159,9 +162,9 @@ async def test_commit_of_received_bytes_without_a_prepare_is_refused():
         await received_everything(updates)
 
         with pytest.raises((FailedPrecondition, Internal)):
-            await updates.commit("s1", "v1")
+            await updates.commit("s1", "v1", 1)
     assert_engine_holds(updates.engine, before)
-    assert updates.engine.weight_version == "default"
+    assert updates.book.main.version == "default"
 
 
 # ---- abort -----------------------------------------------------------------------------------
@@ -177,8 +180,8 @@ async def test_aborting_an_in_place_session_that_touched_the_weights_marks_the_e
 
         assert updates.abort("s1")
     assert updates.session is None
-    assert updates.engine.dirty
-    assert updates.engine.weight_version == "default"
+    assert updates.book.dirty
+    assert updates.book.main.version == "default"
 
 
 async def test_aborting_a_staged_session_after_every_byte_arrived_leaves_the_weights_bit_identical():
@@ -193,9 +196,9 @@ async def test_aborting_a_staged_session_after_every_byte_arrived_leaves_the_wei
 
         assert updates.abort("s1")
     assert updates.session is None
-    assert not updates.engine.dirty
+    assert not updates.book.dirty
     assert_engine_holds(updates.engine, before)
-    assert updates.engine.weight_version == "default"
+    assert updates.book.main.version == "default"
 
 
 # ---- set_version -----------------------------------------------------------------------------
@@ -205,21 +208,21 @@ async def test_aborting_a_staged_session_after_every_byte_arrived_leaves_the_wei
 async def test_set_version_refuses_an_invalid_version(bad):
     updates = worker()
     with pytest.raises(InvalidArgument):
-        updates.set_version(bad)
-    assert updates.engine.weight_version == "default"
+        updates.set_version(bad, 1)
+    assert updates.book.main.version == "default"
 
 
 async def test_set_version_is_refused_while_a_session_is_open():
     updates = worker()
     updates.start("s1", "main")
     with pytest.raises(FailedPrecondition) as err:
-        updates.set_version("v1")
+        updates.set_version("v1", 1)
     assert "s1" in err.value.message
-    assert updates.engine.weight_version == "default"
+    assert updates.book.main.version == "default"
 
     assert updates.abort("s1")
-    updates.set_version("v1")
-    assert updates.engine.weight_version == "v1"
+    updates.set_version("v1", 1)
+    assert updates.book.main.version == "v1"
 
 
 # ---- the whole update ------------------------------------------------------------------------
@@ -233,10 +236,10 @@ async def test_an_empty_update_commits_without_a_transfer_group_and_takes_the_ve
     async with anyio.create_task_group() as tg:
         updates.receive("s1", [], [], tg)
     await updates.prepare("s1", RECEIVE_TIMEOUT_S, [])
-    await updates.commit("s1", "v1")
+    await updates.commit("s1", "v1", 1)
 
     assert updates.session is None
-    assert updates.engine.weight_version == "v1"
+    assert updates.book.main.version == "v1"
     assert_engine_holds(updates.engine, before)
 
 
@@ -250,11 +253,11 @@ async def test_a_received_update_over_shm_commits_the_sent_tensors_and_the_versi
         assert len(checksums) > 1, "the update travelled in several buckets"
 
         await updates.prepare("s1", RECEIVE_TIMEOUT_S, checksums)
-        await updates.commit("s1", "v1")
+        await updates.commit("s1", "v1", 1)
     assert updates.session is None
     assert_engine_holds(updates.engine, named)
-    assert updates.engine.weight_version == "v1"
-    assert not updates.engine.dirty
+    assert updates.book.main.version == "v1"
+    assert not updates.book.dirty
 
 
 async def test_prepare_with_a_wrong_checksum_aborts_and_changes_nothing():
@@ -270,8 +273,8 @@ async def test_prepare_with_a_wrong_checksum_aborts_and_changes_nothing():
             await updates.prepare("s1", RECEIVE_TIMEOUT_S, wrong)
         assert "checksum" in err.value.message
         assert_engine_holds(updates.engine, before)
-        assert updates.engine.weight_version == "default"
+        assert updates.book.main.version == "default"
         with pytest.raises(Internal):  # a failed prepare cannot be committed
-            await updates.commit("s1", "v1")
+            await updates.commit("s1", "v1", 1)
     assert_engine_holds(updates.engine, before)
-    assert updates.engine.weight_version == "default"
+    assert updates.book.main.version == "default"

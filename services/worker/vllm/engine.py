@@ -1,4 +1,4 @@
-"""VllmEngine: vLLM's AsyncLLM behind the Engine protocol.
+"""VllmEngine: vLLM's AsyncLLM on the Engine base.
 
 Generation, pause modes, sleep/wake and weight loading all go through vLLM's own RL API
 (`pause_generation`/`resume_generation`, `sleep`/`wake_up`, `start_weight_update` /
@@ -27,7 +27,7 @@ import math
 import os
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,10 @@ import anyio
 import msgspec
 import torch
 
-from rlbus.schemas import DEFAULT_VERSION, SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas import DEFAULT_VERSION, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
 
-from ..changes import Changes
-from ..engine import EngineStatus, ParamSpec, check_generate_request
+from ..engine import Engine, ParamSpec, check_generate_request
 from . import checkpoint
 from .plugin import BACKEND
 
@@ -117,44 +116,33 @@ class _NotStarted:
         raise Unavailable("vLLM is not running on this worker (starting or restarting); retry")
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """The adapter. Create with `await VllmEngine.start(options)`; `await engine.close()` at the end."""
 
+    sleeps_tags_together = True
+    sleep_off_hint = ("vLLM refuses enable_sleep_mode on this platform, or the worker was started without it: "
+                      "--vllm-arg enable_sleep_mode=true on a GPU host")
+
     def __init__(self, options: VllmOptions) -> None:
+        super().__init__(options.model_name or Path(options.model).name, sleep_mode_enabled=False)
         self.options = options
-        self.model_name = options.model_name or Path(options.model).name
         self.main = _Part(options.model)
         self.draft = _Part(options.draft_model) if options.draft_model else None
         self.llm: Any = _NotStarted()
-        self.weight_seq = 0
-        self.weight_version = DEFAULT_VERSION
-        """Set by the worker at each commit; vLLM's own label follows before the next request."""
         self._vllm_version: str | None = None
         """What vLLM's own get_weight_version() says (set lazily: see _sync_vllm_version)."""
-        self.draft_version: str | None = DEFAULT_VERSION if self.draft else None
-        self.dirty = False
+        self._restarting = False
         """vLLM failed a load and is restarting from the committed weights: nothing is served."""
-        self.draft_stale = False
-        self.spec_proposed = 0
-        self.spec_accepted = 0
-        self.sleep_mode_enabled = False
         self.vocab_size = 0
         self.max_model_len = 0
         self._kv_bytes = 0
         self._draft_k = 0
         self._requests: set[_Request] = set()
         """Submitted to vLLM and not answered yet."""
-        self._gate_waiting = 0
-        """Held by rlbus before vLLM (paused, or a load in progress)."""
-        self._paused = False
-        self._pause_mode: PauseMode | None = None
         self._loading = False
         """A load is in progress: new requests wait (so no reply mixes two weight versions)."""
-        self._sleeping: set[SleepTag] = set()
-        self._sleep_level = 0
         self._discarded = False
         """A level-2 sleep discarded vLLM's weights; generation is refused until a load."""
-        self._changes = Changes()
         self._load_lock = anyio.Lock()
         self._restart: asyncio.Task[None] | None = None
         self.restarts = 0
@@ -205,7 +193,7 @@ class VllmEngine:
 
     @property
     def recovering(self) -> bool:
-        return self.dirty
+        return self._restarting
 
     @property
     def has_draft_model(self) -> bool:
@@ -219,48 +207,37 @@ class VllmEngine:
     def num_params(self) -> int:
         return sum(math.prod(s.shape) for s in self.main.specs.values())
 
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            paused=self._paused,
-            pause_mode=self._pause_mode,
-            sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping],
-            sleep_level=self._sleep_level,
-            weights_loaded=not self.dirty and not self._discarded,
-            in_flight=self._busy(),
-            waiting=self._gate_waiting + (len(self._requests) - self.decoding() if self._paused else 0),
-            param_bytes=self.main.nbytes + (self.draft.nbytes if self.draft else 0),
-            kv_cache_bytes=0 if "kv_cache" in self._sleeping else self._kv_bytes,
-        )
+    @property
+    def weights_loaded(self) -> bool:
+        return not self._restarting and not self._discarded
+
+    @property
+    def param_bytes(self) -> int:
+        return self.main.nbytes + (self.draft.nbytes if self.draft else 0)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if "kv_cache" in self._sleeping else self._kv_bytes
+
+    def _active(self) -> int:
+        return len(self._requests)
+
+    def _in_flight(self) -> int:
+        return self._busy()
+
+    def _held_back(self) -> int:
+        return len(self._requests) - self.decoding() if self._paused else 0
 
     # ---- generation --------------------------------------------------------------------
 
     def _check_request(self, req: GenerateRequest) -> None:
         check_generate_request(req, vocab_size=self.vocab_size, max_len=self.max_model_len, max_len_name="vLLM's max_model_len")
 
-    def _refuse_if_unservable(self) -> None:
-        if self.dirty:
-            raise Unavailable(
-                "vLLM failed to load weights and is restarting from the last committed weights "
-                f"({self.weight_version}); retry"
-            )
-        if self._discarded:
-            raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
-        if self._sleeping:
-            raise FailedPrecondition(f"engine is asleep ({', '.join(sorted(self._sleeping))}); call wake_up() before generating")
-
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         if self.vocab_size:
             self._check_request(request)
         self._refuse_if_unservable()
-        if self._paused or self._loading:  # new requests wait for resume in every pause mode
-            self._gate_waiting += 1
-            self._changes.notify()
-            try:
-                await self._changes.until(lambda: not self._paused and not self._loading)
-            finally:
-                self._gate_waiting -= 1
-                self._changes.notify()
-            self._refuse_if_unservable()
+        await self._wait_until_open(lambda: self._loading)
         await self._sync_vllm_version()
         req = _Request()
         self._requests.add(req)
@@ -316,7 +293,8 @@ class VllmEngine:
                     # vLLM admitted it (its first output): the weights serving it are the ones
                     # held now. A request vLLM queued behind a pause (and a load) starts later.
                     req.started = True
-                    req.stamp = (self.weight_version, self.weight_seq, self.draft_version)
+                    main = self.book.main
+                    req.stamp = (main.version, main.seq, self.book.draft.version)
                     self._changes.notify()
                 final = out
         except EngineDeadError:
@@ -338,22 +316,14 @@ class VllmEngine:
         """Keep vLLM's own weight version (get_weight_version) equal to rlbus's committed one.
         The version is set by the worker right after load_weights returns, so it reaches
         vLLM before the next request rather than inside the load."""
-        if self._vllm_version != self.weight_version and not isinstance(self.llm, _NotStarted):
-            version = self.weight_version
+        if self._vllm_version != self.book.main.version and not isinstance(self.llm, _NotStarted):
+            version = self.book.main.version
             await self.llm.update_weight_version(version)
             self._vllm_version = version
 
     # ---- pause / resume ----------------------------------------------------------------
 
-    async def pause(self, mode: PauseMode) -> None:
-        if mode not in ("abort", "wait", "keep"):
-            raise InvalidArgument(f"unknown pause mode {mode!r}; use abort, wait or keep")
-        if self._paused and mode != "abort":
-            return  # idempotent; a second abort still ends frozen requests
-        self._paused = True
-        if mode == "abort" or self._pause_mode is None:
-            self._pause_mode = mode
-        self._changes.notify()
+    async def _on_pause(self, mode: PauseMode) -> None:
         if isinstance(self.llm, _NotStarted):
             return  # restarting: nothing is in flight
         # clear_cache=False: keep mode must keep the frozen requests' KV cache
@@ -361,45 +331,19 @@ class VllmEngine:
         if mode != "keep":
             await self._changes.until(lambda: self.decoding() == 0)  # vLLM drained them; their replies are on their way
 
-    async def resume(self) -> None:
-        if not self._paused:
-            return
+    async def _on_resume(self) -> None:
         if not isinstance(self.llm, _NotStarted):
             await self.llm.resume_generation()
-        self._paused = False
-        self._pause_mode = None
-        self._changes.notify()
 
     # ---- sleep / wake ------------------------------------------------------------------
 
-    async def sleep(self, level: int, tags: list[SleepTag]) -> None:
-        if not self.sleep_mode_enabled:
-            raise FailedPrecondition(
-                "sleep mode is off in this vLLM engine (vLLM refuses enable_sleep_mode on this platform, or the worker "
-                "was started without it: --vllm-arg enable_sleep_mode=true on a GPU host)"
-            )
-        if level not in (1, 2):
-            raise InvalidArgument(f"sleep level must be 1 or 2, not {level}")
-        if self._requests:
-            raise FailedPrecondition(f"{len(self._requests)} requests are in flight; pause with mode='abort' or 'wait' before sleeping")
-        if set(tags) != set(SLEEP_TAGS):
-            raise FailedPrecondition("vLLM sleeps weights and KV cache together; sleep with tags=None (both)")
+    async def _on_sleep(self, level: int, tags: list[SleepTag]) -> None:
         await self.llm.sleep(level)
-        self._sleeping |= set(SLEEP_TAGS)
-        self._sleep_level = level
-        self._changes.notify()
 
-    async def wake_up(self, tags: list[SleepTag]) -> None:
-        todo = [t for t in tags if t in self._sleeping]
-        if not todo:
-            return
-        await self.llm.wake_up(list(todo))
-        if "weights" in todo and self._sleep_level == 2:
+    async def _on_wake(self, tags: list[SleepTag]) -> None:
+        await self.llm.wake_up(list(tags))
+        if "weights" in tags and self._sleep_level == 2:
             self._discarded = True  # level 2 dropped vLLM's weights: a push must come first
-        self._sleeping -= set(todo)
-        if not self._sleeping:
-            self._sleep_level = 0
-        self._changes.notify()
 
     # ---- weights -----------------------------------------------------------------------
 
@@ -420,7 +364,8 @@ class VllmEngine:
         return self._part(target).committed
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None
+        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
+        *, loaded: Callable[[], None] = lambda: None,
     ) -> None:
         if written:
             raise FailedPrecondition("a vLLM worker receives into staged buffers only; start it with --update-mode staged")
@@ -430,9 +375,9 @@ class VllmEngine:
             raise InvalidArgument(f"{len(problems)} tensors do not match the {target} checkpoint: {', '.join(problems[:20])}")
         if "weights" in self._sleeping:
             raise FailedPrecondition("weights are asleep; wake_up(tags=['weights']) before loading")
-        await self._load(target, {**part.committed, **tensors})
+        await self._load(target, {**part.committed, **tensors}, loaded)
 
-    async def _load(self, target: UpdateTarget, merged: dict[str, torch.Tensor]) -> None:
+    async def _load(self, target: UpdateTarget, merged: dict[str, torch.Tensor], loaded: Callable[[], None]) -> None:
         """Hand the whole model (committed weights overlaid with the update) to vLLM's lifecycle.
 
         New requests wait and in-flight ones finish first (unless frozen by pause(keep)), so
@@ -441,8 +386,8 @@ class VllmEngine:
 
         part = self._part(target)
         async with self._load_lock:
-            if self.dirty:
-                await self._changes.until(lambda: not self.dirty)  # a restart is bringing vLLM back
+            if self._restarting:
+                await self._changes.until(lambda: not self._restarting)  # a restart is bringing vLLM back
             path = Path(STAGING_DIR) / f"rlbus-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
             await anyio.to_thread.run_sync(checkpoint.write_tensors, path, merged)
             self._loading = True
@@ -466,8 +411,9 @@ class VllmEngine:
                     self._failed(e)
                     raise Internal(
                         f"vLLM failed to load the {target} weights ({type(e).__name__}: {str(e)[:300]}); this worker serves "
-                        f"nothing until vLLM has restarted from the last committed weights ({self.weight_version})"
+                        f"nothing until vLLM has restarted from the last committed weights ({self.book.main.version})"
                     ) from None
+                loaded()  # new requests still wait (and frozen ones stay frozen): none ran on them yet
             finally:
                 self._loading = False
                 self._changes.notify()
@@ -482,8 +428,9 @@ class VllmEngine:
     def _failed(self, error: BaseException) -> None:
         """vLLM's engine is dead or half-written: stop serving and restart it from the
         committed weights (kept here), in the background."""
-        log.error("vLLM failed a weight load (%s); restarting it from the committed weights (%s)", error, self.weight_version)
-        self.dirty = True
+        log.error("vLLM failed a weight load (%s); restarting it from the committed weights (%s)", error,
+                  self.book.main.version)
+        self._restarting = True
         self._changes.notify()
         if self._restart is None or self._restart.done():
             self._restart = asyncio.get_running_loop().create_task(self._recover())
@@ -510,8 +457,8 @@ class VllmEngine:
             if self._paused:
                 await self.llm.pause_generation(mode=self._pause_mode or "abort", clear_cache=False)
             self.restarts += 1
-            self.dirty = False
-            log.warning("vLLM restarted from the committed weights (%s); serving again", self.weight_version)
+            self._restarting = False
+            log.warning("vLLM restarted from the committed weights (%s); serving again", self.book.main.version)
         finally:
             # vLLM has read its checkpoint by now; the restart folders are not needed any more
             import shutil
@@ -521,7 +468,7 @@ class VllmEngine:
 
     async def wait_recovered(self) -> None:
         """Return once no restart is pending (tests, and callers that want to wait instead of retrying)."""
-        await self._changes.until(lambda: not self.dirty)
+        await self._changes.until(lambda: not self._restarting)
 
 
 def _mismatches(specs: Mapping[str, ParamSpec], tensors: Mapping[str, torch.Tensor]) -> list[str]:
