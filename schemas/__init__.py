@@ -1,18 +1,16 @@
 """rlbus.schemas — the wire contract and the typed errors. Pure msgspec: imports neither torch nor nats."""
 
 from .base import Message, op_of, ops_of
-from .codes import ERROR_CODES, UNDECODABLE_STATUS, ErrorCode
+from .codes import ERROR_CODES, MAX_COMMAND_BYTES, UNDECODABLE_STATUS, ErrorCode
 from .codec import (
     DecodeError,
     ValidationError,
-    control_decoder,
     encode,
     event_decoder,
     generate_reply_decoder,
     generate_request_decoder,
     reply_decoder,
     version_decoder,
-    worker_command_decoder,
 )
 from .control_commands import (
     AbortWeightUpdate,

@@ -10,19 +10,13 @@ import msgspec
 
 from .base import op_of
 
-from .control_commands import AnyControlCommand
 from .events import AnyEvent
 from .generate import GenerateReply, GenerateRequest
 from .replies import AnyReply, Nack, VersionInfo
-from .worker_commands import AnyWorkerCommand
 
 _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 
-control_decoder = msgspec.json.Decoder(AnyControlCommand)
-"""What the controller accepts on rl.control.<op>."""
-worker_command_decoder = msgspec.json.Decoder(AnyWorkerCommand)
-"""What a worker accepts on rl.worker.<id>.<op>."""
 reply_decoder = msgspec.json.Decoder(AnyReply)
 event_decoder = msgspec.json.Decoder(AnyEvent)
 generate_request_decoder = msgspec.json.Decoder(GenerateRequest)
@@ -35,6 +29,13 @@ ValidationError = msgspec.ValidationError
 
 
 _AT = re.compile(r" - at `\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)`$")
+
+
+def error_path(error: msgspec.ValidationError) -> str:
+    """Where a validation error is: `""` for the payload itself (not an object, a required
+    field missing), `".mode"`, `".params[0].dtype"`..."""
+    m = _AT.search(str(error))
+    return m.group(1) if m else ""
 
 
 def invalid_field(kind: type[msgspec.Struct], error: msgspec.ValidationError) -> str:

@@ -46,3 +46,8 @@ ERROR_MEANINGS: dict[ErrorCode, str] = {
 # Status code put in the NATS micro `Nats-Service-Error-Code` header when a payload
 # does not decode at all (a transport fault, not a refusal).
 UNDECODABLE_STATUS = "400"
+
+MAX_COMMAND_BYTES = 8 << 20
+"""The largest command payload a service accepts (8 MiB), whatever the NATS server's
+max_payload allows: a larger one is answered with a 400 before it is decoded, and changes
+nothing. The SDK keeps what it sends under it (update_weights splits its metadata)."""

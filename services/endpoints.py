@@ -23,8 +23,19 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Group
 
-from rlbus.schemas import UNDECODABLE_STATUS, DeadlineExceeded, WorkerAck, Internal, InvalidArgument, Message, RLBusError, encode, op_of
-from rlbus.schemas.codec import DecodeError, ValidationError, invalid_field
+from rlbus.schemas import (
+    MAX_COMMAND_BYTES,
+    UNDECODABLE_STATUS,
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    Message,
+    RLBusError,
+    WorkerAck,
+    encode,
+    op_of,
+)
+from rlbus.schemas.codec import DecodeError, ValidationError, error_path, invalid_field
 
 log = logging.getLogger("rlbus.services")
 
@@ -51,7 +62,7 @@ class Route(Generic[C]):
         self.read = read
         """Changes nothing: its answers need not outlive the process."""
         self.decoder = msgspec.json.Decoder(kind)
-        """This command alone: `kind` may be left out on its own subject."""
+        """This command alone, the route's one decoder: `kind` may be left out on its own subject."""
 
     def runs_inline(self, cmd: C) -> bool:
         return self.inline(cmd) if callable(self.inline) else self.inline
@@ -78,32 +89,29 @@ class Routes:
         return set(self._by_op)
 
     def decode(self, op: str, data: bytes) -> Message:
-        """Decode the command the subject names. The payload is a JSON object; its `kind`
-        may be left out (the subject names the op) and must match when present; an empty
-        payload is the command with every default.
+        """Decode the command the subject names, once, with its route's typed decoder. The
+        payload is a JSON object of at most MAX_COMMAND_BYTES; its `kind` may be left out (the
+        subject names the op) and must match when present; an empty payload is the command
+        with every default.
 
         Raises DecodeError (answered with a 400) for a payload that is not this op's command
-        at all (not a JSON object, another kind), and InvalidArgument (a typed refusal) for
-        one whose field holds a wrong value or lacks a required one, naming what it allows."""
+        at all (too large, not JSON, not an object, another kind), and InvalidArgument (a typed
+        refusal) for one whose field holds a wrong value or lacks a required one, naming what
+        it allows."""
         route = self._by_op[op]
-        doc = _object_of(data) if data else {}
-        if doc is None:
-            raise DecodeError(f"a {op} payload must be a JSON object")
-        kind = doc.get("kind", op)
-        if kind != op:
-            raise DecodeError(f"payload kind {kind!r} does not match the subject's op {op!r}")
+        if len(data) > MAX_COMMAND_BYTES:
+            raise DecodeError(f"a {op} payload of {len(data)} bytes is over the limit of {MAX_COMMAND_BYTES} bytes (8 MiB)")
         try:
             return route.decoder.decode(data or b"{}")
         except ValidationError as e:
+            where = error_path(e)
+            if where == ".kind":
+                raise DecodeError(f"payload kind does not match the subject's op {op!r} ({e})") from None
+            if where == "" and str(e).startswith("Expected `object`"):
+                raise DecodeError(f"a {op} payload must be a JSON object") from None
             raise InvalidArgument(invalid_field(route.kind, e)) from None
-
-
-def _object_of(data: bytes) -> dict[str, Any] | None:
-    try:
-        doc = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None
+        except DecodeError:
+            raise DecodeError(f"a {op} payload must be a JSON object") from None
 
 
 class StoredReply(msgspec.Struct, frozen=True):

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from rlbus.runners.natsserver import SERVER_DURABILITY, SERVER_LIVENESS
 from rlbus.schemas import Subjects, check_token
 
 ROLES = ("trainer", "controller", "observer")
@@ -121,8 +122,10 @@ def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None,
         "authorization " + json.dumps({"users": users}, indent=2),
         # ping every client each second, drop one that misses three: a frozen or partitioned
         # controller's subscriptions go in seconds, not nats-server's default minutes
-        'ping_interval: "1s"',
-        "ping_max: 3",
+        SERVER_LIVENESS.rstrip("\n"),
+        # JetStream fsyncs every write before acknowledging it: the state store survives an OS
+        # crash or power loss (the default syncs every 2 minutes)
+        SERVER_DURABILITY.rstrip("\n"),
     ]
     if tls is not None:
         block: dict[str, object] = {"cert_file": tls.cert, "key_file": tls.key}

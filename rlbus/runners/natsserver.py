@@ -51,6 +51,12 @@ SERVER_LIVENESS = 'ping_interval: "1s"\nping_max: 3\n'
 blackholed connection (and so its subscriptions, e.g. a frozen controller's) is gone in ~3-4 s
 instead of nats-server's default minutes. `rlbus nats-config` writes the same settings."""
 
+SERVER_DURABILITY = "jetstream { sync_interval: always }\n"
+"""JetStream fsyncs every write before it acknowledges it (nats-server's default syncs every 2
+minutes: an OS crash or power loss could lose acknowledged writes to the state store, as
+Jepsen's NATS 2.12.1 analysis showed). `rlbus nats-config` and compose.yaml write the same.
+The cost is measured by bench/control.py (README, "Benchmarks")."""
+
 
 class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
     """One node of a NATS cluster: its name, its route port, and every node's route URL."""
@@ -73,6 +79,7 @@ class NatsServer:
         port: int = -1,
         *,
         host: str = "127.0.0.1",
+        liveness: bool = True,
         jetstream: bool = True,
         store_dir: str | Path | None = None,
         config_file: str | Path | None = None,
@@ -89,6 +96,10 @@ class NatsServer:
         self.ready_timeout = ready_timeout
         self.cluster = cluster
         """This server's place in a cluster (None: a single server)."""
+        self.liveness = liveness
+        """Ping clients every second (SERVER_LIVENESS); False keeps nats-server's default pings
+        (every 2 minutes), as a server rlbus did not configure runs: for tests that rlbus does
+        not depend on them."""
         self.port: int | None = None
         self._proc: subprocess.Popen[str] | None = None
         self._log: list[str] = []
@@ -108,12 +119,12 @@ class NatsServer:
 
     def _liveness_config(self) -> Path:
         """A config that pings every client often (a frozen or partitioned one is dropped in
-        seconds, and with it its subscriptions: a dead controller stops taking requests),
-        including the user's config, if any."""
+        seconds, and with it its subscriptions: a dead controller stops taking requests) and
+        makes JetStream fsync every write, including the user's config, if any."""
         if self._conf_dir is None:
             self._conf_dir = tempfile.TemporaryDirectory(prefix="rlbus-nats-conf-")
         path = Path(self._conf_dir.name) / "rlbus-server.conf"
-        text = SERVER_LIVENESS
+        text = (SERVER_LIVENESS if self.liveness else "") + (SERVER_DURABILITY if self.jetstream else "")
         if self.config_file:
             # nats-server resolves an include relative to the including file
             text += f"include {json.dumps(os.path.relpath(Path(self.config_file).resolve(), path.parent))}\n"

@@ -59,7 +59,12 @@ QUIET_RETRY_S = 5.0
 log = logging.getLogger("rlbus.sdk.client")
 
 PUSH_CLEANUP_S = 5.0
-"""The part of push_weights' deadline kept for aborting and resuming after a failure."""
+"""The part of push_weights' deadline kept for aborting and resuming after a failure (at most
+a fifth of it): the phases stop that long before the deadline, the cleanup ends by it."""
+
+PUSH_SLACK_S = 1.0
+"""How far past its `timeout` a push_weights may return: the cleanup is cut at the deadline
+itself, and only unwinding the cancelled call remains (milliseconds, bounded by this in tests)."""
 
 ATTEMPT_S = 5.0
 """A control call resends its command (same id: it runs once) after this long without an answer."""
@@ -296,61 +301,90 @@ class RLClient:
         bucket_bytes: int | None = None,
         timeout: float | None = None,
     ) -> FleetAck:
-        """pause -> start -> update -> finish -> resume. Any failure aborts the session
-        everywhere (old weights and version stay) and re-raises; the fleet is resumed.
+        """pause -> start -> update -> finish -> resume.
+
+        A failure in any phase aborts the session everywhere (old weights and version stay)
+        and re-raises, leaving the fleet as the push found it: resumed if the push paused it
+        (also when the pause itself failed half-way, some workers paused and some not); a
+        fleet that was already paused stays paused.
 
         delta: send only what changed since this client's last delta=True commit (see
         start_weight_update); falls back to dense by itself. `last_push` reports either way.
 
-        One deadline bounds the whole push: `timeout` (default: the client's). The phases
-        share it; the last PUSH_CLEANUP_S (at most a fifth) is kept for the abort and resume
-        of a push that failed or ran out of time (DEADLINE_EXCEEDED). A session already open
-        (another trainer's push) is refused at once, before anything is paused."""
+        One deadline bounds the whole call, cleanup included: `timeout` (default: the
+        client's). The phases share it; the last PUSH_CLEANUP_S (at most a fifth) is kept for
+        the abort and resume of a push that failed or ran out of time (DEADLINE_EXCEEDED), and
+        they end by the deadline too (what they could not finish is reported in the log; the
+        controller gives up on a command with its caller). The call returns at most
+        PUSH_SLACK_S after `timeout`. A session already open (another trainer's push) is
+        refused at once, before anything is paused."""
         total = min(timeout or self.timeout, _left())
+        deadline = anyio.current_time() + total
         reserve = min(PUSH_CLEANUP_S, total / 5)
         try:
             with anyio.fail_after(total - reserve):
-                return await self._push(named_tensors, version, pause_mode, draft, delta, bucket_bytes, reserve)
+                ack = await self._push(named_tensors, version, pause_mode, draft, delta, bucket_bytes, deadline)
         except TimeoutError:
             raise DeadlineExceeded(
-                f"push_weights did not finish within {total:g}s; its session was aborted and the fleet resumed"
+                f"push_weights did not finish within {total:g}s; its session was aborted and the fleet left as it was"
             ) from None
+        try:
+            with anyio.fail_after(max(0.0, deadline - anyio.current_time()), shield=True):
+                await self.resume()
+        except TimeoutError:
+            raise DeadlineExceeded(f"push_weights committed {ack.weight_version} but the fleet did not resume "
+                                   f"within its {total:g}s; call resume()") from None
+        return ack
 
     async def _push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: str | None, pause_mode: PauseMode,
-                    draft: bool, delta: bool, bucket_bytes: int | None, reserve: float) -> FleetAck:
+                    draft: bool, delta: bool, bucket_bytes: int | None, deadline: float) -> FleetAck:
         info = await self.server_info()
         if info.session_id:
             raise FailedPrecondition(
                 f"session {info.session_id} is open (another trainer pushing?); wait for it, or abort it, and retry"
             )
-        paused = await self.pause(pause_mode)
+        found_paused = info.desired.paused
+        opened = False
         try:
+            paused = await self.pause(pause_mode)
             fleet = [w.worker_id for w in paused.workers]
             if not self.push.ready or fleet != self.push.group or not all(w.transfer_ready for w in paused.workers):
                 await self.init_weight_transfer()  # no group yet, or the fleet changed since
             await self.push.start("draft" if draft else "main", delta)
-            try:
-                await self.push.update(named_tensors, bucket_bytes)
-                return await self.push.finish(version)
-            except BaseException as e:
-                with anyio.move_on_after(reserve, shield=True):
-                    try:
-                        await self.push.abort(f"push failed: {e}")
-                    except RLBusError as abort_error:
-                        log.warning("abort after a failed push also failed: %s", abort_error)
-                    info = await self._safe_server_info()
-                    if info is not None and not all(w.state.transfer_ready for w in info.workers):
-                        self.push.close()  # a worker left the group: rebuild it next time
-                raise
-        finally:
-            with anyio.move_on_after(reserve, shield=True):
-                await self.resume()
+            opened = True  # only a session this client knows it opened is aborted (by its id)
+            await self.push.update(named_tensors, bucket_bytes)
+            return await self.push.finish(version)
+        except BaseException as e:
+            with anyio.CancelScope(deadline=deadline, shield=True):  # the cleanup ends by the push's deadline
+                await self._undo(e, opened, resume=not found_paused, deadline=deadline)
+            raise
 
-    async def _safe_server_info(self) -> ServerInfo | None:
-        try:
-            return await self.server_info()
-        except RLBusError:
-            return None
+    async def _undo(self, failure: BaseException, opened: bool, *, resume: bool, deadline: float) -> None:
+        """After a failed push: abort its session (if it got that far), resume the fleet if the
+        push paused it, and drop the transfer group if a worker left it. Within `deadline`:
+        the abort takes at most half of what is left when a resume must follow."""
+        states = None
+        if opened and self.push.session_id is not None:
+            share = (deadline - anyio.current_time()) / 2 if resume else float("inf")
+            with anyio.move_on_after(share) as cut:
+                try:
+                    states = (await self.push.abort(f"push failed: {failure}")).workers
+                except RLBusError as e:
+                    log.warning("abort after a failed push also failed: %s", e)
+            if cut.cancelled_caught:
+                log.warning("abort after a failed push got no answer before the push's deadline")
+        if resume:
+            try:
+                states = (await self.resume()).workers
+            except RLBusError as e:
+                log.warning("resume after a failed push failed: %s; the fleet may stay paused", e)
+        if states is None:
+            try:
+                states = [w.state for w in (await self.server_info()).workers]
+            except RLBusError:
+                return
+        if self.push.ready and not all(w.transfer_ready for w in states):
+            self.push.close()  # a worker left the group: rebuild it next time
 
     # ---- generation --------------------------------------------------------------------
 

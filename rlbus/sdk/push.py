@@ -20,6 +20,7 @@ import anyio
 import msgspec
 
 from rlbus.schemas import (
+    MAX_COMMAND_BYTES,
     AbortWeightUpdate,
     Aborted,
     AnyControlCommand,
@@ -329,14 +330,15 @@ class WeightPush:
         # overlapping the wire, and the host never holds more than the two scratch buckets.
         named = [(n, t.detach()) for n, t in named_tensors]
         size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self.init.backend if self.init else "gloo"]
-        limit = self._max_payload() - META_HEADROOM
+        limit = min(self._max_payload(), MAX_COMMAND_BYTES) - META_HEADROOM
         extra = DELTA_META_BOUND if self.pending is not None else 0
         biggest = max((_meta_bound(n, t) + extra for n, t in named), default=0)
         if biggest > limit:
             name = max(named, key=lambda nt: _meta_bound(*nt))[0]
             raise InvalidArgument(
-                f"the metadata of tensor {name[:80]!r} alone is ~{biggest} bytes, over the NATS server's max_payload "
-                f"({self._max_payload()} bytes, less {META_HEADROOM} of headroom); shorten its name or raise max_payload"
+                f"the metadata of tensor {name[:80]!r} alone is ~{biggest} bytes, over what one command may carry "
+                f"({min(self._max_payload(), MAX_COMMAND_BYTES)} bytes: the NATS server's max_payload, at most "
+                f"{MAX_COMMAND_BYTES}, less {META_HEADROOM} of headroom); shorten its name or raise max_payload"
             )
         deltas: dict[str, Any] = {}
         if self.pending is not None:

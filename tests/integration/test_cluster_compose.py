@@ -16,6 +16,7 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from rlbus.runners.children import spawn
 from rlbus.runners.natsserver import free_port, server_binary
+from tests.integration.test_durability import jetstream_config
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,15 +49,18 @@ class Node:
             self.proc.wait()
 
 
-def _on_loopback(argv: list[str], hosts: dict[str, int], own: int, store: Path) -> list[str]:
-    """compose's arguments with host names, ports and the store replaced for this host."""
+def _on_loopback(argv: list[str], hosts: dict[str, int], own: int, store: Path, configs: dict[str, Path],
+                 monitor: int) -> list[str]:
+    """compose's arguments with host names, ports, the store and the mounted configs replaced for this host."""
     out = []
     for i, a in enumerate(argv):
         prev = argv[i - 1] if i else ""
         if prev == "-sd":
             a = str(store)
+        elif prev == "-c":
+            a = str(configs[a])
         elif prev == "-m":
-            a = str(free_port("127.0.0.1"))
+            a = str(monitor)
         elif prev == "--cluster":
             a = f"nats://127.0.0.1:{own}"
         elif prev == "--routes":
@@ -67,26 +71,32 @@ def _on_loopback(argv: list[str], hosts: dict[str, int], own: int, store: Path) 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):  # noqa: ANN201
-    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
     names = [n for n, s in services.items() if str(s.get("image", "")).startswith("nats")]
     routes = {n: free_port("127.0.0.1") for n in names}
-    started: list[tuple[Node, int]] = []
+    started: list[tuple[Node, int, int]] = []
     try:
         for n in names:
-            client = free_port("127.0.0.1")
-            argv = _on_loopback(services[n]["command"], routes, routes[n], tmp_path_factory.mktemp(n))
-            started.append((Node([*argv, "-a", "127.0.0.1", "-p", str(client)]), client))
-        for node, _ in started:
+            client, monitor = free_port("127.0.0.1"), free_port("127.0.0.1")
+            folder = tmp_path_factory.mktemp(f"{n}-configs")
+            configs = {}
+            for c in services[n].get("configs", []):  # what compose mounts, written here
+                configs[c["target"]] = folder / Path(c["target"]).name
+                configs[c["target"]].write_text(compose["configs"][c["source"]]["content"])
+            argv = _on_loopback(services[n]["command"], routes, routes[n], tmp_path_factory.mktemp(n), configs, monitor)
+            started.append((Node([*argv, "-a", "127.0.0.1", "-p", str(client)]), client, monitor))
+        for node, _, _ in started:
             assert node.ready.wait(READY_S) and node.proc.poll() is None, "\n".join(node.log[-20:])
-        yield [f"nats://127.0.0.1:{port}" for _, port in started]
+        yield [(f"nats://127.0.0.1:{port}", monitor) for _, port, monitor in started]
     finally:
-        for node, _ in started:
+        for node, _, _ in started:
             node.stop()
 
 
 async def test_the_compose_nats_nodes_form_one_jetstream_cluster(nodes):
     assert len(nodes) == 3
-    nc = await nats.connect(nodes)
+    nc = await nats.connect([url for url, _ in nodes])
     try:
         js = nc.jetstream()
 
@@ -102,3 +112,8 @@ async def test_the_compose_nats_nodes_form_one_jetstream_cluster(nodes):
         assert info.cluster is not None and len(info.cluster.replicas or []) == 2  # a leader and two followers
     finally:
         await nc.close()
+
+
+def test_every_compose_nats_node_fsyncs_every_jetstream_write(nodes):
+    for url, monitor in nodes:
+        assert jetstream_config(monitor)["sync_always"] is True, url

@@ -88,3 +88,35 @@ async def test_with_unique_versions_a_used_version_string_is_refused_and_the_ses
     await rl.finish_weight_update("unique-2")
     info = await rl.get_weight_version_info()
     assert (info.version, info.seq) == ("unique-2", seq + 1)
+
+
+async def test_watch_versions_yields_every_commit_in_order_to_a_slow_consumer(fleet):
+    f, rl = fleet
+    agen = rl.watch_versions()
+    try:
+        first = await anext(agen)
+        names = [f"slow-{first.seq}-{k}" for k in range(12)]
+        for name in names:  # the consumer reads nothing meanwhile
+            await rl.update_weight_version(name)
+        got = [await anext(agen) for _ in names]
+    finally:
+        await agen.aclose()
+    assert [v.version for v in got] == names
+    assert [v.seq for v in got] == list(range(first.seq + 1, first.seq + 13))
+
+
+async def test_a_consumer_further_behind_than_the_history_skips_to_the_oldest_commit_held_and_says_so(fleet, caplog):
+    from rlbus.sdk.versions import HISTORY
+
+    f, rl = fleet
+    agen = rl.watch_versions()
+    try:
+        first = await anext(agen)
+        names = [f"behind-{first.seq}-{k}" for k in range(HISTORY + 4)]
+        for name in names:
+            await rl.update_weight_version(name)
+        got = [await anext(agen) for _ in range(HISTORY)]
+    finally:
+        await agen.aclose()
+    assert [v.version for v in got] == names[-HISTORY:], "the last HISTORY commits, in order"
+    assert "4 commits" in caplog.text and "skipped" in caplog.text

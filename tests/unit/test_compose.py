@@ -4,12 +4,15 @@ nats-server options are real, and form a cluster, is tests/integration/test_clus
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import click
 import yaml
 
 from rlbus.runners.cli import main
+from rlbus.runners.natsserver import server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = ("nats-0", "nats-1", "nats-2")
@@ -67,3 +70,25 @@ def test_every_service_command_exists_in_the_cli_with_its_options():
         assert set(flags) <= known, f"{name}: unknown options {set(flags) - known}"
         ctx = cmd.make_context(argv[0], list(argv[1:]), resilient_parsing=False)
         assert ctx.params is not None
+
+
+def _nats_nodes(compose: dict) -> dict:
+    return {n: s for n, s in compose["services"].items() if str(s.get("image", "")).startswith("nats")}
+
+
+def test_compose_runs_the_nats_server_version_the_wheel_ships():
+    shipped = subprocess.run([server_binary(), "--version"], capture_output=True, text=True, check=True).stdout
+    version = re.search(r"v(\d+\.\d+\.\d+)", shipped)
+    assert version is not None, shipped
+    for name, s in _nats_nodes(_compose()).items():
+        assert s["image"] == f"nats:{version.group(1)}-alpine", f"{name}: pin the embedded server's version"
+
+
+def test_compose_nats_nodes_fsync_every_jetstream_write():
+    compose = _compose()
+    contents = {name: c["content"] for name, c in compose["configs"].items()}
+    for name, s in _nats_nodes(compose).items():
+        mounted = {c["target"]: contents[c["source"]] for c in s["configs"]}
+        config = _flag(s["command"], "-c")
+        assert config in mounted, f"{name}: -c {config} is a config compose mounts"
+        assert re.search(r"jetstream\s*\{[^}]*sync_interval:\s*always", mounted[config]), name

@@ -29,8 +29,7 @@ def test_the_reference_documents_every_control_op_with_its_reply_and_every_error
 def test_every_worked_example_decodes_as_its_message():
     for cls in (*typing.get_args(s.AnyControlCommand), *typing.get_args(s.AnyWorkerCommand)):
         sample = example(cls)
-        assert s.control_decoder.decode(s.encode(sample)) == sample if cls in typing.get_args(s.AnyControlCommand) \
-            else s.worker_command_decoder.decode(s.encode(sample)) == sample
+        assert msgspec.json.Decoder(cls).decode(s.encode(sample)) == sample
 
 
 def test_a_json_schema_per_message_validates_its_example_shape():
