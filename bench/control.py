@@ -68,7 +68,7 @@ class Result:
         return statistics.median(self.per_round) * 1e3
 
 
-class Fleet:
+class Side:
     """One side of the comparison, set up and ready: ``round()`` runs one round."""
 
     round: Callable[[], Awaitable[None]]
@@ -107,7 +107,7 @@ async def _discovered(nc, name: str, wait: float = 0.5) -> int:
 
 
 @asynccontextmanager
-async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Fleet]:
+async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Side]:
     """A controller and n real WorkerServices on one event loop, and a trainer's RLClient."""
     subjects = Subjects(prefix=f"b{n}x{uuid.uuid4().hex[:6]}")
     ctrl_nc = await connect(url, name="bench-controller")
@@ -127,7 +127,7 @@ async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Fleet]:
             with anyio.fail_after(30):
                 await controller.wait_for(lambda reg: len(reg.ids()) >= n)
             found = await _discovered(trainer_nc, "rlbus-worker")
-            fleet = Fleet()
+            fleet = Side()
 
             async def one_round() -> None:
                 await rl.pause("abort")
@@ -157,7 +157,7 @@ async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Fleet]:
 
 
 @asynccontextmanager
-async def raw_fleet(url: str, n: int, per_conn: int, sizes: dict[str, int]) -> AsyncIterator[Fleet]:
+async def raw_fleet(url: str, n: int, per_conn: int, sizes: dict[str, int]) -> AsyncIterator[Side]:
     """The same shape with no rlbus code: raw responders and a scatter-gathering subscriber."""
     prefix = f"raw{n}x{uuid.uuid4().hex[:6]}"
     ctrl_nc = await nats.connect(url, name="raw-controller")
@@ -184,7 +184,7 @@ async def raw_fleet(url: str, n: int, per_conn: int, sizes: dict[str, int]) -> A
         await ctrl_nc.subscribe(f"{prefix}.control.*", cb=controller)
         for nc in [ctrl_nc, *wconns]:
             await nc.flush()
-        fleet = Fleet()
+        fleet = Side()
 
         async def one_round() -> None:
             await trainer_nc.request(f"{prefix}.control.pause", command, timeout=30)

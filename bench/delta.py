@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import config_for  # noqa: E402
-from transfer import Fleet as RawFleet  # noqa: E402
+from transfer import ReceiverPool  # noqa: E402
 
 from rlbus.models.tinylm import ModelConfig, TinyLM  # noqa: E402
-from rlbus.runners.launcher import Fleet  # noqa: E402
+from rlbus.runners.launcher import ProcessFleet  # noqa: E402
 from rlbus.runners.natsserver import NatsServer  # noqa: E402
 
 MiB = 1 << 20
@@ -99,8 +99,8 @@ class Master:
 
 
 async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, master: Master, lrs: list[float]) -> dict:  # noqa: C901
-    fleet = Fleet(url, r, worker_flags(cfg, a.mode), log_level="WARNING")
-    raw_fleet = RawFleet(r)
+    fleet = ProcessFleet(url, r, worker_flags(cfg, a.mode), log_level="WARNING")
+    raw_fleet = ReceiverPool(r)
     fleet.start()
     bucket = a.bucket_mb * MiB
     out: dict[float, dict] = {}

@@ -34,12 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import config_for  # noqa: E402
-from transfer import Fleet as RawFleet  # noqa: E402
+from transfer import ReceiverPool  # noqa: E402
 from transfer import chunk_sizes, mixed_model, send_chunked  # noqa: E402
 from weightless import TensorEngine  # noqa: E402
 
 from rlbus.runners.children import spawn  # noqa: E402
-from rlbus.runners.launcher import Fleet  # noqa: E402
+from rlbus.runners.launcher import ProcessFleet  # noqa: E402
 from rlbus.runners.natsserver import NatsServer  # noqa: E402
 from rlbus.models.tinylm import TinyLM  # noqa: E402
 from rlbus.transfer.buckets import as_bytes  # noqa: E402
@@ -65,7 +65,7 @@ def worker_flags(cfg, mode: str) -> list[str]:  # noqa: ANN001
     ]
 
 
-class TensorFleet(Fleet):
+class TensorFleet(ProcessFleet):
     """A controller (rlbus CLI) and R worker processes hosting a TensorEngine."""
 
     def __init__(self, url: str, workers: int, model: str, size_mb: int, mode: str) -> None:
@@ -95,10 +95,10 @@ async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[
     """Best seconds of the raw flat broadcast, the rlbus push (and the naive per-tensor
     broadcasts, for small) to R receivers, measured alternately; each push commits a version."""
     if a.model == "tinylm":
-        fleet: Fleet = Fleet(url, r, worker_flags(config_for(a.size_mb), a.mode), log_level="WARNING")
+        fleet: ProcessFleet = ProcessFleet(url, r, worker_flags(config_for(a.size_mb), a.mode), log_level="WARNING")
     else:
         fleet = TensorFleet(url, r, a.model, a.size_mb, a.mode)
-    raw_fleet = RawFleet(r)
+    raw_fleet = ReceiverPool(r)
     fleet.start()
     sizes = [t.numel() * t.element_size() for _, t in named]
     chunk = a.bucket_mb * MiB

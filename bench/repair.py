@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import config_for  # noqa: E402
 from push import worker_flags  # noqa: E402
-from transfer import Fleet as RawFleet  # noqa: E402
+from transfer import ReceiverPool  # noqa: E402
 
 from rlbus.models.tinylm import TinyLM  # noqa: E402
-from rlbus.runners.launcher import Fleet  # noqa: E402
+from rlbus.runners.launcher import ProcessFleet  # noqa: E402
 from rlbus.runners.natsserver import NatsServer  # noqa: E402
 from rlbus.schemas import FleetEvent, event_decoder  # noqa: E402
 
@@ -48,8 +48,8 @@ def detail_of(ev: FleetEvent) -> dict[str, str]:
 async def measure(url: str, a: argparse.Namespace, nbytes: int) -> dict[str, float]:
     cfg = config_for(a.size_mb)
     flags = worker_flags(cfg, "staged")
-    fleet = Fleet(url, 2, flags, log_level="WARNING")
-    raw = RawFleet(1)
+    fleet = ProcessFleet(url, 2, flags, log_level="WARNING")
+    raw = ReceiverPool(1)
     fleet.start()
     out: dict[str, float] = {"repair": float("inf"), "raw": float("inf"), "thaw": float("nan")}
     try:

@@ -114,7 +114,7 @@ def serve_one(cmd: dict) -> None:  # noqa: C901
 
 # --- trainer ------------------------------------------------------------------------
 
-class Fleet:
+class ReceiverPool:
     def __init__(self, n: int, threads: int = 1) -> None:
         self.procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--threads", str(threads)], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True) for _ in range(n)]
@@ -221,7 +221,7 @@ def main() -> None:
         return time.monotonic() - t0
     shm_chunks = [flat[i:i + SHM_BUCKET] for i in range(0, size, SHM_BUCKET)]
 
-    fleet = Fleet(max(receivers), a.threads)
+    fleet = ReceiverPool(max(receivers), a.threads)
     print(f"size {a.size_mb} MiB, gloo bucket {BUCKET >> 20} MiB, shm bucket {SHM_BUCKET >> 20} MiB, "
           f"torch threads {torch.get_num_threads()}, best of {a.reps}, every kind measured in turn per rep")
     try:

@@ -181,7 +181,7 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
     import tempfile
     from pathlib import Path
 
-    from rlbus.runners.launcher import Fleet, embedded_or
+    from rlbus.runners.launcher import ProcessFleet, embedded_or
     from rlbus.runners.natsconfig import read_env_file, write_config
 
     _logging(verbose)
@@ -205,7 +205,7 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         engine_flags = ["--engine", "vllm", "--model", model, "--num-speculative-tokens", str(num_speculative_tokens)]
         engine_flags += ["--draft-model", draft_model] if draft_model else []
         engine_flags += [f for a in vllm_arg for f in ("--vllm-arg", a)]
-    fleet = Fleet(
+    fleet = ProcessFleet(
         url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode, *engine_flags],
         role_env=role_env, log_level=None if verbose else "WARNING",  # quiet by default: warnings and errors only
     )

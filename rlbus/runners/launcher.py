@@ -17,7 +17,7 @@ from rlbus.schemas.errors import DeadlineExceeded
 from rlbus.runners.natsserver import NatsCluster, NatsServer
 
 
-class Fleet:
+class ProcessFleet:
     """Child processes of one fleet; stop() always reaps them (SIGTERM -> wait -> SIGKILL)."""
 
     def __init__(

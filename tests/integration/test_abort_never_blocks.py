@@ -196,13 +196,13 @@ async def test_sigterm_during_a_pending_receive_stops_a_worker_process_at_once(n
     group teardown) keeps a worker process from exiting before the collective timeout."""
     import signal
 
-    from rlbus.runners.launcher import Fleet
+    from rlbus.runners.launcher import ProcessFleet
     from rlbus.sdk.client import RLClient
 
     p = prefix + "-proc"
     flags = ["--vocab-size", str(MODEL.vocab_size), "--d-model", str(MODEL.d_model), "--n-layers", str(MODEL.n_layers),
              "--n-heads", str(MODEL.n_heads), "--max-seq-len", str(MODEL.max_seq_len), "--seed", str(MODEL.seed)]
-    procs = Fleet(nats_server.url, 1, ["--weight-transfer-backend", "gloo", "--prefix", p, "--heartbeat", "0.25", *flags],
+    procs = ProcessFleet(nats_server.url, 1, ["--weight-transfer-backend", "gloo", "--prefix", p, "--heartbeat", "0.25", *flags],
                   ["--prefix", p, "--liveness-timeout", "1.5", "--command-timeout", "10"])
     procs.start()
     rl = await RLClient.connect(nats_server.url, prefix=p, timeout=30.0)

@@ -1,7 +1,7 @@
-"""Weight updates to workers that are separate processes (rlbus.runners.launcher.Fleet), over gloo.
+"""Weight updates to workers that are separate processes (rlbus.runners.launcher.ProcessFleet), over gloo.
 
 Workers are remote here, so bit-level evidence comes from greedy decoding: every worker's
-output must equal a local TinyLM's holding the pushed tensors, token for token. One Fleet
+output must equal a local TinyLM's holding the pushed tensors, token for token. One ProcessFleet
 per module (each process imports torch); the worker-killing test runs last.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 import rlbus
 from rlbus.sdk.client import RLClient
-from rlbus.runners.launcher import Fleet
+from rlbus.runners.launcher import ProcessFleet
 from tests.waiting import eventually
 from tests.weights_helpers import MAX_TOKENS, MODEL, PROMPTS, first_watched_version, greedy, new_version, trained
 
@@ -26,7 +26,7 @@ FINISH_BOUND_S = 15.0
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    procs = Fleet(
+    procs = ProcessFleet(
         nats_server.url, 2,
         ["--weight-transfer-backend", "gloo", "--prefix", prefix, "--heartbeat", "0.25", *MODEL_FLAGS],
         ["--prefix", prefix, "--liveness-timeout", "1.5", "--command-timeout", "10"],

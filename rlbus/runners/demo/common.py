@@ -22,7 +22,7 @@ from .task import Task, split_by_staleness
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from rlbus.runners.launcher import Fleet
+    from rlbus.runners.launcher import ProcessFleet
 
 Request = tuple[list[int], int]
 """A prompt and the seed it is sampled with."""
@@ -149,7 +149,7 @@ def mean_reward(task: Task, replies: Sequence[GenerateReply]) -> float:
 
 
 def serve_progress(
-    fleet: Fleet, console: Console, steps: int, t0: float, *, ready_timeout: float | None, rpc_timeout: float,
+    fleet: ProcessFleet, console: Console, steps: int, t0: float, *, ready_timeout: float | None, rpc_timeout: float,
     describe: Callable[[Any], str], train: Callable[[RLClient, Callable[[Any], None]], Awaitable[list]],
     stats: Callable[[Any], str], logs: list,
 ) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from rlbus.runners.launcher import Fleet, embedded_or
+from rlbus.runners.launcher import ProcessFleet, embedded_or
 from rlbus.models.tinylm import ModelConfig
 
 from .common import reward_summary, serve_progress
@@ -51,7 +51,7 @@ def run_demo(
     )
     out.mkdir(parents=True, exist_ok=True)
     url, server = embedded_or(nats_url)
-    fleet = Fleet(url, workers, worker_flags(model, dcfg, backend), log_level="WARNING")
+    fleet = ProcessFleet(url, workers, worker_flags(model, dcfg, backend), log_level="WARNING")
     logs: list[StepLog] = []
     t0 = time.monotonic()
     try:

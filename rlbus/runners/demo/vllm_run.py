@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from rlbus.runners.launcher import Fleet, embedded_or
+from rlbus.runners.launcher import ProcessFleet, embedded_or
 
 from .common import reward_summary, serve_progress
 from .hf_trainer import HfDemoConfig, HfStepLog, HfTrainer, write_models
@@ -37,7 +37,7 @@ def run_vllm_demo(
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU worker (inherited by the workers)
     url, server = embedded_or(nats_url)
     max_len = cfg.task.prompt_len + cfg.task.response_len + 16
-    fleet = Fleet(url, workers, vllm_worker_flags(policy_dir, draft_dir, backend, max_len), log_level="WARNING")
+    fleet = ProcessFleet(url, workers, vllm_worker_flags(policy_dir, draft_dir, backend, max_len), log_level="WARNING")
     logs: list[HfStepLog] = []
     t0 = time.monotonic()
     try:
