@@ -48,7 +48,7 @@ from .errors import (
 )
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
 from .generate import FinishReason, GenerateReply, GenerateRequest
-from .replies import AnyReply, FleetAck, Nack, ServerInfo, VersionInfo, WorkerAck, WorkerFailure
+from .replies import AnyReply, CommitDecision, FleetAck, Nack, PushLease, ServerInfo, VersionInfo, WorkerAck, WorkerFailure
 from .state import (
     DEFAULT_VERSION,
     MAX_VERSION_LEN,

@@ -10,6 +10,7 @@ from .state import Capabilities, WorkerState
 EventKind = Literal[
     "paused", "resumed", "sleeping", "awake", "worker_joined", "worker_left", "worker_stale",
     "session_started", "session_aborted", "session_committed", "progress", "worker_reconciled", "state_lost",
+    "worker_quarantined", "worker_released",
 ]
 
 

@@ -398,9 +398,8 @@ class WorkerService:
         to_wake = [t for t in status.sleeping_tags if t not in want.sleeping_tags]
         if to_wake:
             await self.engine.wake_up(to_wake)
-        current = self.engine.weight_version == cmd.committed_version
-        if current:
-            self.engine.weight_seq = cmd.seq
+        # current only on exactly the committed (version, seq): a seq names one set of bits, a string may not
+        current = (self.engine.weight_version, self.engine.weight_seq) == (cmd.committed_version, cmd.seq)
         await self._withhold(not current)
         return self.ack()
 
