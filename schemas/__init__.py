@@ -48,7 +48,8 @@ from .errors import (
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
 from .generate import FinishReason, GenerateReply, GenerateRequest
 from .replies import (
-    AnyReply, FleetAck, Nack, RepairOffer, ServerInfo, VersionInfo, WeightCheck, WorkerAck, WorkerFailure, WorkerWeights,
+    AnyReply, CommitDecision, FleetAck, Nack, PushLease, RepairOffer, ServerInfo, VersionInfo, WeightCheck, WorkerAck,
+    WorkerFailure, WorkerWeights,
 )
 from .state import (
     DEFAULT_VERSION,

@@ -27,6 +27,10 @@ class ControlCommand(Message, frozen=True, kw_only=True):
     timeout_s: float | None = None
     """How long the sender waits for the answer. The controller gives up no later (DEADLINE_EXCEEDED)
     and undoes what it started, so its lock is free for the sender's cleanup. None = no bound."""
+    trainer_id: str | None = None
+    """Who sends it (the SDK: one id per RLClient). The push lease names its holder by it: one
+    trainer at a time may update weights; every command of the holder renews its lease. None =
+    an anonymous trainer (all anonymous senders count as one)."""
 
 
 class Pause(ControlCommand, frozen=True, kw_only=True, tag="pause"):

@@ -11,6 +11,7 @@ EventKind = Literal[
     "paused", "resumed", "sleeping", "awake", "worker_joined", "worker_left", "worker_stale",
     "session_started", "session_aborted", "session_committed", "progress", "worker_reconciled", "state_lost",
     "worker_repaired", "repair_failed", "repair_waiting",
+    "worker_quarantined", "worker_released",
 ]
 
 

@@ -8,8 +8,8 @@ import msgspec
 
 from .base import Message
 from .codes import ErrorCode
-from .tensors import BucketMeta, ParamMeta, TensorChecksum, TransferInit
 from .state import DEFAULT_VERSION, Capabilities, FleetState, UpdateTarget, WorkerInfo, WorkerState
+from .tensors import BucketMeta, ParamMeta, TensorChecksum, TransferInit
 
 
 class WorkerFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +59,24 @@ class FleetAck(Message, frozen=True, kw_only=True, tag="fleet_ack"):
     session_id: str | None = None
     weight_version: str | None = None
     epoch: int = 0
+    quarantined: list[str] = []
+    """Workers withheld from generation because they failed or missed a decided commit (a
+    finish that committed names them here): they serve again once they hold the committed bits."""
+
+
+class PushLease(Message, frozen=True, kw_only=True, tag="push_lease"):
+    """The fleet's push lease: one trainer at a time updates weights. Taken by its
+    init_weight_transfer or start_weight_update, renewed by every command it sends, released by
+    its finish or abort; it lapses `expires_in_s` after its holder's last command."""
+
+    trainer_id: str | None
+    """ControlCommand.trainer_id of the holder (None: an anonymous trainer)."""
+    renewed_at: float
+    """Wall-clock seconds of the holder's last command."""
+    lease_s: float
+    """It lapses this long after renewed_at."""
+    group: str | None = None
+    """The transfer group its init_weight_transfer built, if it built one."""
 
 
 class ServerInfo(Message, frozen=True, kw_only=True, tag="server_info"):
@@ -78,6 +96,10 @@ class ServerInfo(Message, frozen=True, kw_only=True, tag="server_info"):
     """Workers being repaired now (behind the committed weights), each with the peer it gets them from."""
     repair_problem: str = ""
     """Why workers behind the committed weights are not being repaired (e.g. no healthy peer), if so."""
+    quarantined: list[str] = []
+    """Workers that failed or missed a decided commit, withheld until they hold the committed bits."""
+    push_lease: PushLease | None = None
+    """The trainer holding the push lease now, if any."""
 
 
 class VersionInfo(Message, frozen=True, kw_only=True, tag="version"):
@@ -125,6 +147,34 @@ class WeightCheck(Message, frozen=True, kw_only=True, tag="weight_check"):
     workers: list[WorkerWeights] = []
     seconds: float = 0.0
     """How long the slowest worker took to hash what it serves."""
+
+
+class CommitDecision(Message, frozen=True, kw_only=True, tag="commit_decision"):
+    """A finish's decided outcome, kept in the state store before any worker commits: from it on
+    the commit stands (a controller that takes over finishes it), and a worker that failed or
+    missed it is quarantined until it holds exactly these bits. The manifest (the trainer's
+    checksums) lets a repair verify a copy of them."""
+
+    session_id: str
+    target: UpdateTarget
+    weight_version: str | None
+    """What finish asked (None: keep the version string), sent as is in every Commit."""
+    seq: int
+    """The commit sequence these bits take (of `target`); never reused."""
+    committed: VersionInfo
+    """The committed version once this commit is recorded (what the store and rl.version carry)."""
+    workers: list[str]
+    """Every worker asked to commit (all of them prepared)."""
+    checksums: list[str] = []
+    """The manifest: the xxh3-128 of every bucket sent (FinishWeightUpdate.checksums)."""
+    tensor_checksums: list[TensorChecksum] = []
+    """The manifest of a delta session: each resulting tensor's xxh3-128."""
+    published: bool = False
+    """The version was recorded and published on rl.version; False: a successor finishes it."""
+    quarantined: list[str] = []
+    """Workers that failed or missed this commit (kept up to date as they come back)."""
+    epoch: int = 0
+    time: float = 0.0
 
 
 AnyReply = Union[Nack, WorkerAck, FleetAck, ServerInfo, VersionInfo, WeightCheck]

@@ -123,3 +123,6 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds since the controller last heard from the worker."""
     behind: bool = False
     """Holds a version other than the committed one (the controller's view of its last report)."""
+    quarantined: bool = False
+    """It failed or missed a decided commit: withheld from generation until it holds exactly the
+    committed bits (the next push, or a repair)."""

@@ -141,6 +141,10 @@ class KvKey:
     """The fleet's desired state (a FleetState)."""
     COMMITTED = "committed"
     """`committed.<digest of a version string>`: its commit sequence (unique_versions)."""
+    DECISION = "decision"
+    """The last decided commit (a CommitDecision): written before any worker commits."""
+    PUSH_LEASE = "push_lease"
+    """The fleet's push lease (a PushLease): the one trainer that may update weights now."""
 
 
 class ServiceName:

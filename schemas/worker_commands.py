@@ -88,8 +88,8 @@ class CommitWorker(WorkerCommand, frozen=True, kw_only=True, tag="commit"):
 
 
 class AbortWeightUpdateWorker(WorkerCommand, frozen=True, kw_only=True, tag="abort_weight_update"):
-    session_id: str
-    """The session to drop; empty = whichever is open."""
+    session_id: str | None = None
+    """The session to drop; None = whichever is open."""
     reason: str = ""
 
 

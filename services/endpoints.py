@@ -8,7 +8,6 @@ returns at once. The task replies when the work is done.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
@@ -26,6 +25,7 @@ from nats.micro.service import Group
 from rlbus.schemas import (
     MAX_COMMAND_BYTES,
     UNDECODABLE_STATUS,
+    Aborted,
     DeadlineExceeded,
     Internal,
     InvalidArgument,
@@ -120,6 +120,9 @@ class StoredReply(msgspec.Struct, frozen=True):
     fingerprint: str
     """The op and a digest of the payload: a reused id must resend the same command."""
     reply: bytes
+    answered: bool = True
+    """False: the command started (kept before it runs) and its answer was never kept: the
+    process that ran it died. A retry is refused (ABORTED), never run a second time."""
 
 
 class DurableReplies(Protocol):
@@ -147,7 +150,6 @@ class ReplyCache:
         self._running: dict[str, tuple[str, anyio.Event]] = {}
         self.size = size
         self.durable = durable
-        self._storing: set[asyncio.Future[None]] = set()
 
     def __contains__(self, command_id: str) -> bool:
         """A command with this id is running (a duplicate must wait for it)."""
@@ -176,16 +178,21 @@ class ReplyCache:
         ev = anyio.Event()
         self._running[command_id] = (print_, ev)
         try:
-            stored = await self.durable.get(command_id) if durable and self.durable is not None else None
+            store = self.durable if durable else None
+            stored = await store.get(command_id) if store is not None else None
             if stored is not None:
                 self._check(command_id, print_, stored.fingerprint)
+                if not stored.answered:
+                    stored = StoredReply(print_, encode(Aborted(
+                        f"command {command_id!r} ({print_.split(':')[0]}) was running when the process serving it "
+                        "stopped, before it answered; it is not run twice: read the state (server_info, "
+                        "get_weight_version) to see what it did").to_nack()))
             else:
+                if store is not None:  # kept before it runs: a retry after a crash mid-run is not run again
+                    await store.put(command_id, StoredReply(print_, b"", answered=False))
                 stored = StoredReply(print_, await work())
-                if durable and self.durable is not None:
-                    # kept while the answer goes out: a retry reaches the next controller seconds later
-                    task = asyncio.ensure_future(self.durable.put(command_id, stored))
-                    self._storing.add(task)
-                    task.add_done_callback(self._storing.discard)
+                if store is not None:  # kept before it is sent: a retry after a crash gets this answer
+                    await store.put(command_id, stored)
             self._done[command_id] = stored
             while len(self._done) > self.size:
                 self._done.popitem(last=False)

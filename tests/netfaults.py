@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 
 class Blackhole:
@@ -15,6 +16,9 @@ class Blackhole:
         self.url = ""
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
+        self.tripwire: tuple[bytes, Callable[[], None]] | None = None
+        """(pattern, act): the first bytes from the server that contain `pattern` run `act`
+        before they are passed on (a signal to the client the moment a command reaches it)."""
 
     async def __aenter__(self) -> Blackhole:  # noqa: PYI034
         self._server = await asyncio.start_server(self._on_client, "127.0.0.1", 0)
@@ -35,9 +39,12 @@ class Blackhole:
             return
         self._writers += [writer, up_writer]
 
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, down: bool = False) -> None:
             try:
                 while data := await r.read(65536):
+                    if down and self.tripwire is not None and self.tripwire[0] in data:
+                        act, self.tripwire = self.tripwire[1], None
+                        act()
                     if not self.holed:
                         w.write(data)
                         await w.drain()
@@ -46,4 +53,4 @@ class Blackhole:
             finally:
                 w.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer, down=True))

@@ -504,6 +504,7 @@ def _print_status(info: Any) -> None:
             w.worker_id, str(w.rank), s.pause_mode or "no" if s.paused else "no",
             ",".join(s.sleeping_tags) or "no",
             s.weight_version + (" (behind)" if w.behind else "") + (" (dirty)" if s.dirty else "")
+            + (" (quarantined)" if w.quarantined else "")
             + (f" (repairing from {info.repairing[w.worker_id]})" if w.worker_id in info.repairing else ""),
             (s.draft_version or "-") + (" (stale)" if s.draft_stale else ""),
             str(s.in_flight), f"{s.param_bytes / 2**20:.2f}", f"{s.kv_cache_bytes / 2**20:.2f}", f"{w.last_seen_s:.1f}",
@@ -524,6 +525,11 @@ def _print_status(info: Any) -> None:
     )
     if info.session_id:
         c.print(f"open update session: {info.session_id}")
+    if info.push_lease is not None:
+        c.print(f"push lease held by trainer {info.push_lease.trainer_id}")
+    if info.quarantined:
+        c.print(f"quarantined (missed a decided commit; withheld until they hold the committed weights): "
+                f"{', '.join(info.quarantined)}")
     want = info.desired
     if want.paused:
         held = f" for {time.time() - want.paused_since:.0f}s" if want.paused_since else ""

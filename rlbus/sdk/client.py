@@ -89,6 +89,8 @@ class RLClient:
         deadline; a retry resends the same command id, so it runs once."""
         """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
         self._owns = owns_connection
+        self.trainer_id = uuid.uuid4().hex[:12]
+        """Sent with every command (ControlCommand.trainer_id): the fleet's push lease names its holder by it."""
         self.push = WeightPush(self.call, lambda: self.nc.max_payload)
         """The trainer's side of update sessions: transfer group, packing buffers, checksums."""
 
@@ -128,6 +130,8 @@ class RLClient:
         a refusal raises the exception for its code. A command without an id gets a fresh one."""
         op = op_of(command)
         t = min(timeout or self.timeout, _left())
+        if command.trainer_id is None:  # who sends it: the push lease names its holder by it
+            command = msgspec.structs.replace(command, trainer_id=self.trainer_id)
         if not command.command_id:  # a retry of this command resends it as it is (same id, same bytes)
             command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex, timeout_s=round(t, 3) if t != float("inf") else None)
         return await self._ask(self.subjects.control(op), op, encode(command), expect, "the controller", t,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rlbus.schemas import Capabilities, Unavailable, WorkerInfo, WorkerState
+from collections.abc import Collection
+
+from rlbus.schemas import Capabilities, Unavailable, VersionInfo, WorkerInfo, WorkerState
 
 
 @dataclass
@@ -76,8 +78,13 @@ class Registry:
         """A registered worker's last reported state; UNAVAILABLE once it left."""
         return self._entry(worker_id).state
 
-    def infos(self, committed_version: str | None = None) -> list[WorkerInfo]:
+    def infos(self, committed: VersionInfo | None = None, quarantined: Collection[str] = ()) -> list[WorkerInfo]:
+        """Every entry in rank order; `behind`: it does not hold exactly the committed (version, seq)."""
         now = time.monotonic()
+
+        def behind(s: WorkerState) -> bool:
+            return committed is not None and (s.weight_version, s.weight_seq) != (committed.version, committed.seq)
+
         return [
             WorkerInfo(
                 worker_id=w,
@@ -85,7 +92,8 @@ class Registry:
                 state=self._entries[w].state,
                 rank=i,
                 last_seen_s=round(now - self._entries[w].last_seen, 3),
-                behind=committed_version is not None and self._entries[w].state.weight_version != committed_version,
+                behind=behind(self._entries[w].state),
+                quarantined=w in quarantined,
             )
             for i, w in enumerate(self.ids())
         ]

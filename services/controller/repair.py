@@ -148,8 +148,8 @@ class Repairs:
             await self._set_problem(target, "")
             return False
         async with self.fleet.lock:
-            if not isinstance(self.updates.session, S.Idle):
-                return False  # a trainer's session owns the fleet; the next pass looks again
+            if not isinstance(self.updates.session, S.Idle) or self.updates.leases.live() is not None:
+                return False  # a trainer's push (its lease, its session) owns the fleet; the next pass looks again
             behind = self.behind(target)
             now = time.monotonic()
             due = [w for w in behind if self._backoff.get((w, target), _Backoff()).next_at <= now]
@@ -170,7 +170,8 @@ class Repairs:
                 self.repairing[w] = source
             try:
                 with anyio.fail_after(self.opts.timeout_s):
-                    nbytes = await self._repair(source, sources, due, target, backends.pop())  # type: ignore[arg-type]
+                    nbytes = await self._while_alive(
+                        [source, *due], self._repair(source, sources, due, target, backends.pop()))  # type: ignore[arg-type]
             except (RLBusError, TimeoutError) as e:
                 why = e.message if isinstance(e, RLBusError) else f"timed out after {self.opts.timeout_s:g}s"
                 for w in due:
@@ -241,8 +242,8 @@ class Repairs:
             for params, buckets, first, last in chunks(offer.params, offer.buckets):
                 got = await self.fleet.send(stamped(UpdateWeightsWorker, session_id=sid, params=params, buckets=buckets), receivers)
                 got.raise_for_failures("repair (metadata)")
-                sent = await self._while_alive(source, self.fleet.send(
-                    stamped(SendWeightsWorker, group_name=group, first=first, last=last), [source], timeout=self.opts.timeout_s))
+                sent = await self.fleet.send(
+                    stamped(SendWeightsWorker, group_name=group, first=first, last=last), [source], timeout=self.opts.timeout_s)
                 sent.raise_for_failures(f"repair (sending from {source})")
                 checksums += sent.answers[source].sent_checksums
             prepared = await self.fleet.send(
@@ -251,6 +252,7 @@ class Repairs:
             committed = await self.fleet.send(stamped(CommitWorker, session_id=sid, weight_version=version, seq=seq), receivers)
             opened = False
             committed.raise_for_failures("repair (commit)")
+            await self.updates.review(committed.acks.values())  # quarantined by a decided commit: released
             return sum(b.nbytes for b in offer.buckets)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
@@ -259,22 +261,31 @@ class Repairs:
                 await self.fleet.send(stamped(LeaveWeightTransferWorker, group_name=group), [*receivers, source])
 
 
-    async def _while_alive(self, source: str, call: Awaitable[T]) -> T:
-        """`call`, given up as soon as `source` leaves the registry (it died or froze: its
-        heartbeats stopped), rather than at the call's own, byte-sized deadline."""
+    async def _while_alive(self, workers: list[str], call: Awaitable[T]) -> T:
+        """`call`, given up as soon as one of `workers` leaves the registry (it died or froze:
+        its heartbeats stopped), rather than at the repair's own deadline: a repair holds the
+        fleet's lock, so a lost peer or receiver must not keep the trainer waiting."""
         result: list[T] = []
+        gone: list[str] = []
 
         async def watch(scope: anyio.CancelScope) -> None:
-            while source in self.fleet.registry:
+            while all(w in self.fleet.registry for w in workers):
                 await anyio.sleep(0.1)  # the registry has no change event of its own; a cheap poll
+            gone.extend(w for w in workers if w not in self.fleet.registry)
             scope.cancel()
 
+        errors: list[Exception] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch, tg.cancel_scope)
-            result.append(await call)
+            try:
+                result.append(await call)
+            except Exception as e:  # noqa: BLE001 - raised below as it is, not wrapped in a group
+                errors.append(e)
             tg.cancel_scope.cancel()
+        if errors:
+            raise errors[0]
         if not result:
-            raise Unavailable(f"the repair source {source} left the fleet while it sent")
+            raise Unavailable(f"{', '.join(gone)} left the fleet during the repair")
         return result[0]
 
 

@@ -64,8 +64,10 @@ from rlbus.services.endpoints import Endpoints, NotRunning, Routes
 from rlbus.services.metrics import ControllerMetrics, MetricsServer
 
 from . import session as S
+from .fanout import Outcome
 from .fleet import Fleet, stamped
 from .leadership import Lease, LeaseLost
+from .pushlease import PUSH_LEASE_S
 from .registry import Registry
 from .store import ReplyStore, StateStore
 from .repair import RepairOptions, Repairs
@@ -100,6 +102,9 @@ class ControllerOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Serve Prometheus metrics on this port at /metrics (0: any free port; None: no endpoint)."""
     repair: RepairOptions = RepairOptions()
     """Workers behind the committed weights are repaired from a healthy peer (repair.py)."""
+    push_lease_s: float = PUSH_LEASE_S
+    """The push lease (one trainer at a time updates weights) lapses this long after its holder's
+    last command: a dead trainer blocks other trainers' pushes at most this long."""
 
 
 class ControllerService:
@@ -129,6 +134,7 @@ class ControllerService:
         self.fleet.metrics = self.metrics
         self.metrics_server: MetricsServer | None = None
         """Serving /metrics (when options.metrics_port is set); its `port` is the bound one."""
+        self._dropping_lease = False
 
     @property
     def registry(self) -> Registry:
@@ -180,8 +186,11 @@ class ControllerService:
             # start and every reply names one coherent epoch
             version = msgspec.structs.replace(version, epoch=self.fleet.epoch, time=time.time())
             await store.put_version(version)
-        self.updates = Updates(self.fleet, store, version, unique_versions=self.opts.unique_versions)
+        self.updates = Updates(self.fleet, store, version, unique_versions=self.opts.unique_versions,
+                               push_lease_s=self.opts.push_lease_s)
+        self.updates.withhold = self._resync
         self.repairs = Repairs(self.fleet, self.updates, self.opts.repair)
+        await self.updates.leases.load()
         self.desired = await store.desired()
 
         async def write_back() -> None:  # the bucket vanished under a running leader: it knows everything
@@ -195,6 +204,9 @@ class ControllerService:
                                    f"{self.updates.version.version} written back from the running controller")
 
         store.on_lost = write_back
+        orphan = await store.session()
+        # a commit the last controller decided is finished (never aborted): recorded, published once
+        await self.updates.take_over(await store.decision(), orphan)
         orphan = await store.session()
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
@@ -247,7 +259,12 @@ class ControllerService:
 
         def wrap(handler):  # noqa: ANN001, ANN202
             if handler not in writes:
-                return handler
+
+                async def reading(cmd):  # noqa: ANN001, ANN202
+                    self.updates.leases.touch(cmd.trainer_id)  # any command of the push lease's holder renews it
+                    return await handler(cmd)
+
+                return reading
 
             async def leading(cmd):  # noqa: ANN001, ANN202
                 try:
@@ -255,6 +272,7 @@ class ControllerService:
                 except LeaseLost as e:
                     self._step_down(e)
                     raise Unavailable(f"controller {self.id} no longer leads ({e}); the leader answers a retry") from None
+                self.updates.leases.touch(cmd.trainer_id)
                 return await handler(cmd)
 
             return leading
@@ -316,6 +334,17 @@ class ControllerService:
             await anyio.sleep(min(0.5, self.opts.liveness_timeout_s / 3))
             for w in self.registry.expired():
                 await self._drop(w, "missed heartbeats")
+            if self.updates.leases.lapsed() is not None and not self._dropping_lease:
+                self._dropping_lease = True
+                self._tg.start_soon(self._drop_lapsed_lease)
+
+    async def _drop_lapsed_lease(self) -> None:
+        try:
+            await self.updates.drop_lapsed_lease()
+        except Exception as e:  # noqa: BLE001 - the store away: the next sweep retries
+            log.warning("could not release a lapsed push lease: %s", e)
+        finally:
+            self._dropping_lease = False
 
     async def _drop(self, worker_id: str, why: str) -> None:
         if self.registry.leave(worker_id):
@@ -367,16 +396,15 @@ class ControllerService:
                 if not await self._still_leading(state):
                     return
                 await self._recover_lost_state(state)
-            out = await self.fleet.send(
-                stamped(SyncWorker, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
-                        liveness_s=self.opts.liveness_timeout_s, controller_id=self.id),
-                [w], timeout=min(5.0, self.opts.command_timeout_s),
-            )
+            if self.updates.finish_for(state):  # it missed the commit its predecessor decided: commit it now
+                state = await self.updates.commit_missed(w) or state
+            out = await self._sync([w])
             synced = out.acks.get(w)
             if synced is None:
                 log.warning("worker %s announced itself but did not take the sync: %s", w, out.failures)
                 return
             joined = self.registry.join(caps, synced)
+            await self.updates.review([synced])
         if joined:
             log.info("worker %s joined (%s)", w, caps.model_name)
             self._notify()
@@ -388,11 +416,27 @@ class ControllerService:
         if synced.withheld:
             await self.fleet.event(
                 "worker_stale", [w],
-                f"holds {synced.weight_version}, committed is {self.version.version}; push weights to bring it in step",
+                f"holds {synced.weight_version} (seq {synced.weight_seq}), committed is {self.version.version} "
+                f"(seq {self.version.seq}); push weights to bring it in step"
+                + (" (quarantined: it missed a decided commit)" if w in self.updates.quarantined else ""),
             )
         if synced.session_id and synced.session_id != self.updates.session_id:
             await self.updates.abort_orphan(w, synced.session_id)
         self.repairs.poke()  # behind the committed weights: a healthy peer brings it there
+
+    async def _sync(self, workers: list[str]) -> Outcome:
+        """Bring `workers` to the desired state and the committed version (the caller holds the
+        lock): one that does not hold exactly the committed (version, seq) stops serving."""
+        return await self.fleet.send(
+            stamped(SyncWorker, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
+                    liveness_s=self.opts.liveness_timeout_s, controller_id=self.id),
+            workers, timeout=min(5.0, self.opts.command_timeout_s),
+        )
+
+    async def _resync(self, workers: list[str]) -> None:
+        out = await self._sync(workers)
+        if out.failures:
+            log.warning("could not sync %s: %s", [f.worker_id for f in out.failures], out.failures)
 
     async def _still_leading(self, state: WorkerState) -> bool:
         """A worker obeys a newer epoch: the state was lost (recover it), or another controller
@@ -528,7 +572,7 @@ class ControllerService:
 
     async def _server_info(self, cmd: GetServerInfo) -> ServerInfo:
         return ServerInfo(
-            workers=self.registry.infos(self.version.version),
+            workers=self.registry.infos(self.version, self.updates.quarantined),
             capabilities=self.registry.aggregate(),
             epoch=self.epoch,
             weight_version=self.version.version,
@@ -539,6 +583,8 @@ class ControllerService:
             desired=self.desired,
             repairing=dict(self.repairs.repairing) if not isinstance(self.repairs, _NotLeading) else {},
             repair_problem=self.repairs.problem if not isinstance(self.repairs, _NotLeading) else "",
+            quarantined=sorted(self.updates.quarantined),
+            push_lease=self.updates.leases.live(),
         )
 
 
@@ -554,11 +600,26 @@ def _reconciled(before: WorkerState, after: WorkerState) -> str:
     return ", ".join(parts)
 
 
+class _NoLeases:
+    """Before this controller leads: no push lease is known."""
+
+    def touch(self, trainer_id: str | None) -> None:
+        return None
+
+    def live(self) -> None:
+        return None
+
+    def lapsed(self) -> None:
+        return None
+
+
 class _NotLeading:
     """Before this controller leads: no update session exists yet."""
 
     session: S.SessionState = S.Idle()
     session_id = None
+    quarantined: frozenset[str] = frozenset()
+    leases = _NoLeases()
 
     def __getattr__(self, name: str) -> object:
         raise RuntimeError(f"controller is not leading yet ({name})")

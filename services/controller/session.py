@@ -2,9 +2,15 @@
 
 No I/O here; updates.py performs what a step asks for and feeds back what happened.
 
-    Idle --Start--> Open --Update*--> Open --Finish--> Committing --CommitDone--> Idle
+    Idle --Start--> Open --Update*--> Open --Finish--> Committing --Decide--> Decided --CommitDone--> Idle
                      |                                   |
                      +--Abort / WorkerLost / Sleep--> Idle <--Failed--+
+
+Committing is phase 1 (every worker verifies what it staged); any failure there aborts
+everywhere. Decide records the outcome (the decision is in the state store before any worker
+commits): from Decided on the outcome is commit, and nothing but CommitDone leaves it; a worker
+that fails or misses its commit is quarantined, never rolled back (a commit that loaded into an
+engine cannot be taken back).
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ class Committing(msgspec.Struct, frozen=True, tag="committing"):
     version: str | None
 
 
-SessionState = Union[Idle, Open, Committing]
+class Decided(msgspec.Struct, frozen=True, tag="decided"):
+    session_id: str
+    target: UpdateTarget
+    epoch: int
+    version: str | None
+    seq: int
+    """The commit sequence the decided bits take."""
+
+
+SessionState = Union[Idle, Open, Committing, Decided]
 
 
 # ---- events ------------------------------------------------------------------------------
@@ -54,6 +69,12 @@ class Update(msgspec.Struct, frozen=True):
 class Finish(msgspec.Struct, frozen=True):
     version: str | None
     session_id: str | None = None
+
+
+class Decide(msgspec.Struct, frozen=True):
+    """Every worker prepared and the decision is durable: the outcome is commit."""
+
+    seq: int
 
 
 class CommitDone(msgspec.Struct, frozen=True):
@@ -80,7 +101,7 @@ class VersionSet(msgspec.Struct, frozen=True):
     """update_weight_version without a transfer."""
 
 
-Event = Union[Start, Update, Finish, CommitDone, Failed, Abort, WorkerLost, SleepWeights, VersionSet]
+Event = Union[Start, Update, Finish, Decide, CommitDone, Failed, Abort, WorkerLost, SleepWeights, VersionSet]
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -112,6 +133,8 @@ def step(state: SessionState, event: Event) -> Step:
             return _refuse(state, "FAILED_PRECONDITION", "no weight update session is open; call start_weight_update() first")
         case Idle(), Finish():
             return _refuse(state, "FAILED_PRECONDITION", "finish_weight_update() without a session; call start_weight_update() first")
+        case Idle(), Decide():
+            return _refuse(state, "INTERNAL", "a commit decided with no session finishing")
         case Idle(), (Abort() | WorkerLost() | SleepWeights() | CommitDone() | Failed() | VersionSet()):
             return Step(state=state)
         case Open(), Start():
@@ -136,12 +159,23 @@ def step(state: SessionState, event: Event) -> Step:
             return Step(state=Idle(), abort_workers=True)
         case Open(), VersionSet():
             return _refuse(state, "FAILED_PRECONDITION", f"session {state.session_id} is open; finish or abort it before setting the version")
-        case Open(), CommitDone():
+        case Open(), (CommitDone() | Decide()):
             return _refuse(state, "INTERNAL", "commit reported for a session that is not finishing")
+        case Committing(), Decide(seq=seq):
+            return Step(state=Decided(state.session_id, state.target, state.epoch, state.version, seq))
         case Committing(), CommitDone():
-            return Step(state=Idle())
+            return _refuse(state, "INTERNAL", f"session {state.session_id} committed before its commit was decided")
         case Committing(), (Failed() | WorkerLost()):
             return Step(state=Idle(), abort_workers=True)
         case Committing(), _:
             return _refuse(state, "FAILED_PRECONDITION", f"session {state.session_id} is being finished; wait for it")
+        case Decided(), CommitDone():
+            return Step(state=Idle())
+        case Decided(), (Failed() | WorkerLost()):
+            return _refuse(state, "FAILED_PRECONDITION",
+                           f"session {state.session_id} is decided (seq {state.seq}): it commits; a worker that fails is "
+                           "quarantined, nothing is aborted")
+        case Decided(), _:
+            return _refuse(state, "FAILED_PRECONDITION",
+                           f"session {state.session_id} is decided (seq {state.seq}) and committing; wait for it")
     raise AssertionError(f"unhandled {state!r} + {event!r}")  # pragma: no cover

@@ -1,7 +1,9 @@
-"""Durable controller state in a JetStream KV bucket: epoch, committed versions, open session.
+"""Durable controller state in a JetStream KV bucket: epoch, committed versions, open session,
+the last decided commit, the push lease.
 
 Keys (schemas.subjects.KvKey): the epoch (fencing counter, advanced with revision checks),
-the committed version (a VersionInfo), the open session id (or empty).
+the committed version (a VersionInfo), the open session (JSON: its id, or null), the last
+commit decision (a CommitDecision), the push lease (a PushLease, or null when free).
 """
 
 from __future__ import annotations
@@ -30,7 +32,17 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from rlbus.schemas import DEFAULT_VERSION, FleetState, KvKey, Unavailable, VersionInfo, encode, version_decoder
+from rlbus.schemas import (
+    DEFAULT_VERSION,
+    CommitDecision,
+    FleetState,
+    KvKey,
+    PushLease,
+    Unavailable,
+    VersionInfo,
+    encode,
+    version_decoder,
+)
 from rlbus.services.endpoints import StoredReply
 
 log = logging.getLogger("rlbus.controller.store")
@@ -202,11 +214,32 @@ class StateStore:
         await self.put(KvKey.DESIRED, encode(state))
 
     async def session(self) -> str | None:
+        """The open session's id; None when none is open."""
         raw, _ = await self.get(KvKey.SESSION)
-        return raw.decode() if raw else None
+        if not raw:
+            return None
+        try:
+            return _session.decode(raw)
+        except msgspec.DecodeError:  # written as a bare id before the JSON record
+            return raw.decode()
 
     async def put_session(self, session_id: str | None) -> None:
-        await self.put(KvKey.SESSION, (session_id or "").encode())
+        await self.put(KvKey.SESSION, msgspec.json.encode(session_id))
+
+    async def decision(self) -> CommitDecision | None:
+        """The last decided commit, if any was ever decided."""
+        raw, _ = await self.get(KvKey.DECISION)
+        return _decision.decode(raw) if raw else None
+
+    async def put_decision(self, decision: CommitDecision) -> None:
+        await self.put(KvKey.DECISION, encode(decision))
+
+    async def push_lease(self) -> PushLease | None:
+        raw, _ = await self.get(KvKey.PUSH_LEASE)
+        return _push_lease.decode(raw) if raw else None
+
+    async def put_push_lease(self, lease: PushLease | None) -> None:
+        await self.put(KvKey.PUSH_LEASE, encode(lease) if lease is not None else b"null")
 
 
 def default_replicas(nc: Client) -> int:
@@ -289,4 +322,7 @@ class ReplyStore:
 
 
 _stored = msgspec.json.Decoder(StoredReply)
+_session = msgspec.json.Decoder(str | None)
+_decision = msgspec.json.Decoder(CommitDecision)
+_push_lease = msgspec.json.Decoder(PushLease | None)
 _desired = msgspec.json.Decoder(FleetState)

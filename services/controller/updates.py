@@ -1,11 +1,21 @@
 """The controller's update sessions: transfer groups, sessions, the two-phase finish and the
 committed version. `Updates` owns the session state, the committed version and its durable
-record; it sends through the Fleet (fleet.py) under the fleet's one lock."""
+record, the last commit decision and the workers quarantined by it; it sends through the Fleet
+(fleet.py) under the fleet's one lock.
+
+Finish is a two-phase commit with a durable decision: every worker prepares (verifies what it
+staged); then the decision (version, seq, target, the manifest of checksums) is written to the
+state store, and only then does any worker commit. Before the decision any failure aborts
+everywhere; from it on the outcome is commit: a worker that fails or misses its commit is
+quarantined (withheld from generation, named) until it holds exactly the committed bits. A
+commit that loaded into an engine cannot be taken back, so the decision is the commit point."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 import msgspec
@@ -13,6 +23,8 @@ import msgspec
 from rlbus.schemas import (
     DEFAULT_VERSION,
     AbortWeightUpdateWorker,
+    CommitDecision,
+    ControlCommand,
     AbortWeightUpdate,
     CommitWorker,
     FailedPrecondition,
@@ -31,6 +43,8 @@ from rlbus.schemas import (
     UpdateWeights,
     UpdateWeightVersion,
     VersionInfo,
+    WorkerFailure,
+    WorkerState,
     checksums_problem,
     encode,
     error_for,
@@ -43,13 +57,19 @@ from rlbus.services.endpoints import Routes
 from . import session as S
 from .fanout import Outcome
 from .fleet import Fleet, stamped
+from .pushlease import PUSH_LEASE_S, PushLeases
 from .store import StateStore
+
+log = logging.getLogger("rlbus.controller.updates")
 
 
 class Updates:
-    def __init__(self, fleet: Fleet, store: StateStore, version: VersionInfo | None = None, *, unique_versions: bool = False) -> None:
+    def __init__(self, fleet: Fleet, store: StateStore, version: VersionInfo | None = None, *, unique_versions: bool = False,
+                 push_lease_s: float = PUSH_LEASE_S) -> None:
         self.fleet = fleet
         self.store = store
+        self.leases = PushLeases(store, push_lease_s)
+        """One trainer at a time: the fleet's push lease."""
         self.unique_versions = unique_versions
         """Refuse a version string that was committed before."""
         self.version = version or VersionInfo(version=DEFAULT_VERSION)
@@ -59,6 +79,13 @@ class Updates:
         """The durable state was lost: the committed version is unknown until a push commits."""
         self._kv_session: str | None = None
         """The open session KV records."""
+        self.decision: CommitDecision | None = None
+        """The last decided commit (KV holds it): its manifest, and whom it quarantined."""
+        self.quarantined: set[str] = set()
+        """Workers that failed or missed a decided commit: withheld until they hold the committed bits."""
+        self.withhold: Callable[[list[str]], Awaitable[None]] = _nobody_withholds
+        """Brings workers to the committed version (the service's SyncWorker): a worker that does not
+        hold it stops serving generation."""
 
     def routes(self, r: Routes) -> None:
         r.add(InitWeightTransfer, self.init_weight_transfer)
@@ -74,7 +101,8 @@ class Updates:
         return getattr(self.session, "session_id", None)
 
     def ack(self, out: Outcome) -> FleetAck:
-        return self.fleet.ack(out, session_id=self.session_id, weight_version=self.version.version)
+        ack = self.fleet.ack(out, session_id=self.session_id, weight_version=self.version.version)
+        return msgspec.structs.replace(ack, quarantined=sorted(self.quarantined)) if self.quarantined else ack
 
     # ---- the session state machine ---------------------------------------------------
 
@@ -88,7 +116,7 @@ class Updates:
     async def _apply(self, event: S.Event, reason: str) -> S.Step:
         """Step the machine and do what it says: settle in its new state, and when it closed an
         open session (abort_workers), tell every worker to drop what it staged."""
-        sid = self.session_id or ""
+        sid = self.session_id
         step = self._advance(event)
         await self._settle(step.state)
         if step.abort_workers:
@@ -128,11 +156,11 @@ class Updates:
         """Weights are going to sleep (the caller holds the lock): no session survives that."""
         await self._apply(S.SleepWeights(), "weights went to sleep")
 
-    async def _abort_everywhere(self, sid: str, reason: str) -> None:
+    async def _abort_everywhere(self, sid: str | None, reason: str) -> None:
         ids = self.fleet.registry.ids()
         if ids:
             await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason=reason), ids)
-        await self.fleet.event("session_aborted", ids, reason, session_id=sid or None)
+        await self.fleet.event("session_aborted", ids, reason, session_id=sid)
 
     async def abort_on_loss(self, worker_id: str) -> None:
         async with self.fleet.lock:
@@ -146,87 +174,244 @@ class Updates:
                 await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=session_id, reason="orphaned session"),
                                       [worker_id])
 
+    # ---- the decided commit and its quarantine -------------------------------------------
+
+    def _next_seq(self, main: bool) -> int:
+        """The next commit sequence of a target: past every one committed or decided (a seq
+        names one set of bits forever, also when its commit was never recorded)."""
+        seq = self.version.seq if main else self.version.draft_seq
+        d = self.decision
+        if d is not None and (d.target == "main") == main:
+            seq = max(seq, d.seq)
+        return seq + 1
+
+    def holds_committed(self, state: WorkerState, target: str = "main") -> bool:
+        """The worker holds exactly the committed bits of `target` (version and seq)."""
+        v = self.version
+        if target == "draft":
+            return state.draft_seq == v.draft_seq
+        return state.weight_version == v.version and state.weight_seq == v.seq and not state.dirty
+
+    async def review(self, states: Iterable[WorkerState]) -> None:
+        """Release every quarantined worker among `states` that now holds the committed bits
+        (the trainer's next push reached it, or a repair did). Under the lock."""
+        target = self.decision.target if self.decision is not None else "main"
+        released = sorted(s.worker_id for s in states if s.worker_id in self.quarantined and self.holds_committed(s, target))
+        if released:
+            self.quarantined -= set(released)
+            await self._keep_quarantine()
+            await self.fleet.event("worker_released", released, "holds the committed weights again")
+
+    async def _keep_quarantine(self) -> None:
+        if self.decision is not None and sorted(self.quarantined) != self.decision.quarantined:
+            self.decision = msgspec.structs.replace(self.decision, quarantined=sorted(self.quarantined))
+            await self.store.put_decision(self.decision)
+
+    async def _quarantine(self, decision: CommitDecision, failures: list[WorkerFailure]) -> None:
+        """Workers that failed or missed the decided commit: quarantined and named. One that
+        answered (its commit failed there) drops what it staged and is synced, so it stops
+        serving at once; one that did not answer (dead, frozen) withholds itself when it comes
+        back (it was silent, or restarted, and is synced before it serves)."""
+        missed = sorted(f.worker_id for f in failures)
+        self.quarantined |= set(missed)
+        alive = [f.worker_id for f in failures if f.code not in ("DEADLINE_EXCEEDED", "UNAVAILABLE")]
+        if alive:
+            await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=decision.session_id, reason="its commit failed"), alive,
+                                  timeout=min(5.0, self.fleet.command_timeout_s))
+            await self.withhold(alive)
+        detail = "; ".join(f"{f.worker_id}: {f.code}: {f.message}" for f in failures)
+        log.error("commit seq %d (%s) stands; quarantined %s: %s", decision.seq, decision.committed.version, missed, detail)
+        await self.fleet.event("worker_quarantined", missed,
+                               f"missed the decided commit seq {decision.seq} ({detail}); withheld until it holds those bits",
+                               session_id=decision.session_id)
+
+    async def take_over(self, decision: CommitDecision | None, open_session: str | None) -> None:
+        """A controller that starts finds the last decision: one its predecessor decided but
+        did not record is finished now (the version recorded and published once); the workers
+        that hold its session prepared commit it when they announce themselves (`finish_for`)."""
+        if decision is None:
+            return
+        self.decision = decision
+        self.quarantined = set(decision.quarantined)
+        if decision.published:
+            return
+        log.warning("commit seq %d of session %s was decided by the last controller and not recorded; finishing it",
+                    decision.seq, decision.session_id)
+        self.quarantined |= set(decision.workers)  # each is released once it shows it holds the bits
+        await self._record(decision)
+        if open_session == decision.session_id:
+            await self.store.put_session(None)
+
+    def finish_for(self, state: WorkerState) -> bool:
+        """The worker holds the decided session prepared (it missed the commit): commit it."""
+        d = self.decision
+        return d is not None and state.session_id == d.session_id and self._decided_is_latest(d)
+
+    def _decided_is_latest(self, d: CommitDecision) -> bool:
+        v = self.version
+        return (v.seq if d.target == "main" else v.draft_seq) == d.seq
+
+    async def commit_missed(self, worker_id: str) -> WorkerState | None:
+        """Send the decided commit to a worker that missed it (under the lock)."""
+        d = self.decision
+        assert d is not None
+        out = await self.fleet.send(stamped(CommitWorker, session_id=d.session_id, weight_version=d.weight_version, seq=d.seq),
+                                    [worker_id])
+        if out.failures:
+            log.warning("worker %s could not take the decided commit seq %d: %s", worker_id, d.seq, out.failures)
+        return out.acks.get(worker_id)
+
+    # ---- the push lease ----------------------------------------------------------------
+
+    async def _take_lease(self, cmd: ControlCommand, what: str) -> bool:
+        """Before anything is dispatched (under the lock): refuse another holder's trainer, drop a
+        session whose holder's lease lapsed, and take the lease. True when it was not held yet
+        (the command gives it back if it fails)."""
+        self.leases.refuse_others(cmd.trainer_id, what)
+        lapsed = self.leases.lapsed()
+        if lapsed is not None and lapsed.trainer_id != cmd.trainer_id and isinstance(self.session, S.Open):
+            await self._apply(S.Abort(), f"the push lease of trainer {lapsed.trainer_id!r} lapsed (it sent nothing for "
+                                         f"{lapsed.lease_s:g}s): its session is abandoned")
+        fresh = self.leases.live() is None
+        await self.leases.claim(cmd.trainer_id)
+        return fresh
+
+    async def drop_lapsed_lease(self) -> None:
+        """The push lease's holder stopped sending: free the lease, and abort the session it
+        left open (a dead trainer blocks the fleet no longer than the lease)."""
+        if self.leases.lapsed() is None:
+            return
+        async with self.fleet.lock:
+            lapsed = self.leases.lapsed()
+            if lapsed is None:
+                return
+            log.warning("the push lease of trainer %r lapsed (nothing from it for %gs); releasing it", lapsed.trainer_id,
+                        lapsed.lease_s)
+            if isinstance(self.session, S.Open):
+                await self._apply(S.Abort(), f"the push lease of trainer {lapsed.trainer_id!r} lapsed (nothing from it "
+                                             f"for {lapsed.lease_s:g}s): its session is abandoned")
+            await self.leases.release(lapsed.trainer_id)
+
+    async def _keep_lease(self, cmd: ControlCommand, what: str) -> None:
+        """A session command: refused when another trainer holds the lease; renews (or re-takes) it."""
+        self.leases.refuse_others(cmd.trainer_id, what)
+        if self.leases.live() is None:
+            await self.leases.claim(cmd.trainer_id)
+        else:
+            self.leases.touch(cmd.trainer_id)
+
     # ---- handlers ----------------------------------------------------------------------
 
     async def init_weight_transfer(self, cmd: InitWeightTransfer) -> FleetAck:
+        async with self.fleet.lock:
+            fresh = await self._take_lease(cmd, "init_weight_transfer")
+            try:
+                return await self._init_weight_transfer(cmd)
+            except BaseException:
+                if fresh:  # it took the lease for nothing: free it at once
+                    with anyio.CancelScope(shield=True):
+                        await self.leases.release(cmd.trainer_id)
+                raise
+
+    async def _init_weight_transfer(self, cmd: InitWeightTransfer) -> FleetAck:
+        """Under the lock, holding the push lease: every worker joins the trainer's group."""
+        if not isinstance(self.session, S.Idle):
+            raise FailedPrecondition(f"session {self.session_id} is open; finish or abort it first")
         init = cmd.init_info
         registry = self.fleet.registry
-        async with self.fleet.lock:
-            if not isinstance(self.session, S.Idle):
-                raise FailedPrecondition(f"session {self.session_id} is open; finish or abort it first")
-            workers = self.fleet.ids()
-            backends = {w: registry.capabilities(w).weight_transfer_backend for w in workers}
-            missing = [w for w, b in backends.items() if b is None]
-            if missing:
-                raise refuse(f"workers {missing} have no weight transfer backend; start them with --weight-transfer-backend",
-                             dict.fromkeys(missing, "no weight transfer backend"))
-            if len(set(backends.values())) > 1:
-                raise refuse(f"workers disagree on the transfer backend: {backends}",
-                             {w: f"backend {b}" for w, b in backends.items()})
-            fleet_backend = next(iter(backends.values()))
-            wanted = cmd.backend or init.backend
-            if wanted != fleet_backend or init.backend != fleet_backend:
-                raise FailedPrecondition(f"the fleet's backend is {fleet_backend}, not {wanted}")
-            if init.world_size != len(workers) + init.rank_offset:
-                raise FailedPrecondition(
-                    f"world_size {init.world_size} does not match the fleet: {len(workers)} workers + "
-                    f"rank_offset {init.rank_offset}; read server_info() again and retry"
-                )
-            ranks = {w: init.rank_offset + i for i, w in enumerate(workers)}
-            timeout = max(self.fleet.command_timeout_s, init.timeout_s + 5)
-            out = await self.fleet.send(
-                lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]),
-                workers, timeout=timeout
+        workers = self.fleet.ids()
+        backends = {w: registry.capabilities(w).weight_transfer_backend for w in workers}
+        missing = [w for w, b in backends.items() if b is None]
+        if missing:
+            raise refuse(f"workers {missing} have no weight transfer backend; start them with --weight-transfer-backend",
+                         dict.fromkeys(missing, "no weight transfer backend"))
+        if len(set(backends.values())) > 1:
+            raise refuse(f"workers disagree on the transfer backend: {backends}",
+                         {w: f"backend {b}" for w, b in backends.items()})
+        fleet_backend = next(iter(backends.values()))
+        wanted = cmd.backend or init.backend
+        if wanted != fleet_backend or init.backend != fleet_backend:
+            raise FailedPrecondition(f"the fleet's backend is {fleet_backend}, not {wanted}")
+        if init.world_size != len(workers) + init.rank_offset:
+            raise FailedPrecondition(
+                f"world_size {init.world_size} does not match the fleet: {len(workers)} workers + "
+                f"rank_offset {init.rank_offset}; read server_info() again and retry"
             )
-            out.raise_for_failures("init_weight_transfer")
-            return self.ack(out)
+        ranks = {w: init.rank_offset + i for i, w in enumerate(workers)}
+        timeout = max(self.fleet.command_timeout_s, init.timeout_s + 5)
+        out = await self.fleet.send(
+            lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]), workers, timeout=timeout
+        )
+        out.raise_for_failures("init_weight_transfer")
+        await self.leases.claim(cmd.trainer_id, group=init.group_name)  # its start checks the fleet is still there
+        return self.ack(out)
 
     async def start_weight_update(self, cmd: StartWeightUpdate) -> FleetAck:
+        async with self.fleet.lock:
+            fresh = await self._take_lease(cmd, f"start_weight_update({cmd.target})")
+            try:
+                out, sid, workers = await self._start_weight_update(cmd)
+            except BaseException:
+                if fresh:  # nothing opened: the lease is free again
+                    with anyio.CancelScope(shield=True):
+                        await self.leases.release(cmd.trainer_id)
+                raise
+        await self.fleet.event("session_started", workers, cmd.target, session_id=sid)
+        return self.ack(out)
+
+    async def _start_weight_update(self, cmd: StartWeightUpdate) -> tuple[Outcome, str, list[str]]:
+        """Under the lock, holding the push lease: open the session on every worker."""
         target = cmd.target
         registry = self.fleet.registry
-        async with self.fleet.lock:
-            workers = self.fleet.ids()
-            if target == "draft" and not registry.aggregate().supports_draft_weight_updates:
-                lacking = [w for w in workers if not registry.capabilities(w).supports_draft_weight_updates]
-                raise refuse(
-                    f"workers {lacking} cannot update a draft model (no draft, speculation off, or the backend does not support it)",
-                    dict.fromkeys(lacking, "cannot update a draft model"),
-                )
-            asleep = [w for w in workers if "weights" in registry.state(w).sleeping_tags]
-            if asleep:
-                raise refuse(
-                    f"weights are asleep on {asleep}; call wake_up(tags=['weights']) first "
-                    "(after a level-2 sleep: wake weights -> update -> wake kv_cache)",
-                    dict.fromkeys(asleep, "weights asleep"),
-                )
-            serving = [w for w in workers if registry.capabilities(w).update_mode == "in_place" and not registry.state(w).paused]
-            if serving:
-                raise refuse(
-                    f"workers {serving} update in place (bytes land in the live weights) and are not paused; "
-                    "pause first (push_weights does), so nothing uncommitted is served",
-                    dict.fromkeys(serving, "updates in place and is not paused"),
-                )
-            sid = uuid.uuid4().hex[:16]
-            step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
-            try:
-                out = await self.fleet.send(
-                    stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq), workers)
-            except BaseException:  # the caller's deadline passed: close what opened
-                with anyio.CancelScope(shield=True):
-                    await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start ran out of time"),
-                                          workers)
-                raise
-            if not out.ok:
-                await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start failed"),
-                                      list(out.acks))
-                out.raise_for_failures(f"start_weight_update({target})")
-            await self._settle(step.state)
-        await self.fleet.event("session_started", workers, target, session_id=sid)
-        return self.ack(out)
+        workers = self.fleet.ids()
+        group = self.leases.group_of(cmd.trainer_id)
+        moved = {w: registry.state(w).transfer_group for w in workers}
+        moved = {w: g for w, g in moved.items() if group is not None and g != group}
+        if moved:
+            raise refuse(
+                f"workers {sorted(moved)} left transfer group {group!r} that this trainer built (another trainer's "
+                "init_weight_transfer since, or they restarted): no byte would reach them; call init_weight_transfer() again",
+                {w: f"in transfer group {g!r}" for w, g in moved.items()},
+            )
+        if target == "draft" and not registry.aggregate().supports_draft_weight_updates:
+            lacking = [w for w in workers if not registry.capabilities(w).supports_draft_weight_updates]
+            raise refuse(
+                f"workers {lacking} cannot update a draft model (no draft, speculation off, or the backend does not support it)",
+                dict.fromkeys(lacking, "cannot update a draft model"),
+            )
+        asleep = [w for w in workers if "weights" in registry.state(w).sleeping_tags]
+        if asleep:
+            raise refuse(
+                f"weights are asleep on {asleep}; call wake_up(tags=['weights']) first "
+                "(after a level-2 sleep: wake weights -> update -> wake kv_cache)",
+                dict.fromkeys(asleep, "weights asleep"),
+            )
+        serving = [w for w in workers if registry.capabilities(w).update_mode == "in_place" and not registry.state(w).paused]
+        if serving:
+            raise refuse(
+                f"workers {serving} update in place (bytes land in the live weights) and are not paused; "
+                "pause first (push_weights does), so nothing uncommitted is served",
+                dict.fromkeys(serving, "updates in place and is not paused"),
+            )
+        sid = uuid.uuid4().hex[:16]
+        step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
+        try:
+            out = await self.fleet.send(stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq), workers)
+        except BaseException:  # the caller's deadline passed: close what opened
+            with anyio.CancelScope(shield=True):
+                await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start ran out of time"), workers)
+            raise
+        if not out.ok:
+            await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start failed"), list(out.acks))
+            out.raise_for_failures(f"start_weight_update({target})")
+        await self._settle(step.state)
+        return out, sid, workers
 
     async def update_weights(self, cmd: UpdateWeights) -> FleetAck:
         async with self.fleet.lock:
-            step = self._advance(S.Update(session_id=cmd.session_id or None))
+            self.leases.refuse_others(cmd.trainer_id, "update_weights")
+            step = self._advance(S.Update(session_id=cmd.session_id))
+            await self._keep_lease(cmd, "update_weights")
             elsewhere = {w: self.fleet.registry.state(w).transfer_group for w in self.fleet.ids()}
             elsewhere = {w: g for w, g in elsewhere.items() if g != cmd.group}
             if cmd.group and elsewhere:
@@ -235,7 +420,8 @@ class Updates:
                     "init_weight_transfer, or they left it): no byte would reach them; call init_weight_transfer() again",
                     {w: f"in transfer group {g!r}" for w, g in elsewhere.items()},
                 )
-            sid = self.session_id or ""
+            assert isinstance(step.state, S.Open)  # an Update only ever steps to Open
+            sid = step.state.session_id
             workers = self.fleet.ids()
 
             def receive(check_only: bool):  # noqa: ANN202
@@ -259,61 +445,89 @@ class Updates:
         if problem := checksums_problem(cmd.checksums) or tensor_checksums_problem(cmd.tensor_checksums):
             raise InvalidArgument(problem)
         async with self.fleet.lock:
+            self.leases.refuse_others(cmd.trainer_id, "finish_weight_update")
             if cmd.weight_version is not None:
                 await self._refuse_a_used_version(cmd.weight_version)
-            committing = (await self._apply(S.Finish(version=cmd.weight_version, session_id=cmd.session_id or None), "")).state
-            if not isinstance(committing, S.Committing):
-                raise error_for("INTERNAL", f"finish stepped to {type(committing).__name__}, not Committing")
-            sid = committing.session_id
-            workers = self.fleet.ids()
+            self._advance(S.Finish(version=cmd.weight_version, session_id=cmd.session_id))  # refused: nothing changed
             try:
-                prepared = await self.fleet.send(
-                    stamped(PrepareWorker, session_id=sid, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums),
-                    workers
-                )
-            except BaseException:  # the caller's deadline passed: the session cannot stay Committing
-                with anyio.CancelScope(shield=True):
-                    await self._apply(S.Failed(reason="finish ran out of time"), "finish ran out of time in prepare")
-                raise
-            if not prepared.ok:
-                err = prepared.error("finish_weight_update (prepare)")
-                await self._apply(S.Failed(reason=err.message), err.message)
-                raise err
-            version = committing.version
-            main = committing.target == "main"
-            seq = (self.version.seq if main else self.version.draft_seq) + 1
-            with anyio.CancelScope(shield=True):  # once workers commit, the commit completes (each worker is bounded)
-                committed = await self.fleet.send(stamped(CommitWorker, session_id=sid, weight_version=version, seq=seq),
-                                                  workers)
-                return await self._committed(committing, committed, version, seq, workers)
+                return await self._finish(cmd)
+            finally:
+                if isinstance(self.session, S.Idle):  # committed or aborted: the push is over
+                    with anyio.CancelScope(shield=True):
+                        await self.leases.release(cmd.trainer_id)
 
-    async def _committed(self, committing: S.Committing, committed: Outcome, version: str | None, seq: int,
-                         workers: list[str]) -> FleetAck:
-        """Phase 2 answered: record the commit (or abort what failed). Runs shielded, under the lock."""
+    async def _finish(self, cmd: FinishWeightUpdate) -> FleetAck:
+        """Under the lock: phase 1 (prepare), the decision, phase 2 (commit)."""
+        committing = (await self._apply(S.Finish(version=cmd.weight_version, session_id=cmd.session_id), "")).state
+        if not isinstance(committing, S.Committing):
+            raise error_for("INTERNAL", f"finish stepped to {type(committing).__name__}, not Committing")
         sid = committing.session_id
-        main = committing.target == "main"
-        if not committed.ok:
-            # prepared workers that did commit keep the new weights (their session is closed,
-            # so the abort passes them by); the durable version stays
-            err = committed.error("finish_weight_update (commit)")
+        workers = self.fleet.ids()
+        try:
+            prepared = await self.fleet.send(
+                stamped(PrepareWorker, session_id=sid, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums), workers
+            )
+        except BaseException:  # the caller's deadline passed: the session cannot stay Committing
+            with anyio.CancelScope(shield=True):
+                await self._apply(S.Failed(reason="finish ran out of time"), "finish ran out of time in prepare")
+            raise
+        if not prepared.ok:
+            err = prepared.error("finish_weight_update (prepare)")
             await self._apply(S.Failed(reason=err.message), err.message)
             raise err
-        done = self._advance(S.CommitDone())
+        with anyio.CancelScope(shield=True):  # from the decision on, the commit completes (each worker is bounded)
+            decision = await self._decide(committing, cmd, workers)
+            committed = await self.fleet.send(
+                stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq), workers)
+            return await self._committed(decision, committed)
+
+    async def _decide(self, committing: S.Committing, cmd: FinishWeightUpdate, workers: list[str]) -> CommitDecision:
+        """Every worker prepared: write the decision to the state store, before any worker
+        commits. A store that cannot take it fails the finish (aborted everywhere, as any
+        failure before the decision)."""
+        main = committing.target == "main"
+        seq = self._next_seq(main)
+        version, sid, now = committing.version, committing.session_id, time.time()
         if main:
-            new = msgspec.structs.replace(
-                self.version, version=version or self.version.version, seq=seq,
-                epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
-            )
+            new = msgspec.structs.replace(self.version, version=version or self.version.version, seq=seq,
+                                          epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=now)
         else:
-            new = msgspec.structs.replace(
-                self.version, draft_version=version or self.version.draft_version, draft_seq=seq,
-                epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=time.time(),
-            )
+            new = msgspec.structs.replace(self.version, draft_version=version or self.version.draft_version, draft_seq=seq,
+                                          epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=now)
+        decision = CommitDecision(session_id=sid, target=committing.target, weight_version=version, seq=seq, committed=new,
+                                  workers=workers, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums,
+                                  quarantined=sorted(self.quarantined), epoch=self.fleet.epoch, time=now)
+        step = self._advance(S.Decide(seq))
+        try:
+            await self.store.put_decision(decision)
+        except Exception as e:
+            await self._apply(S.Failed(reason=str(e)), f"the commit decision could not be kept: {e}")
+            raise
+        self.decision = decision
+        await self._settle(step.state)
+        return decision
+
+    async def _committed(self, decision: CommitDecision, committed: Outcome) -> FleetAck:
+        """Phase 2 answered: the decided commit stands whatever the workers said; record it,
+        and quarantine every worker that failed or missed it. Runs shielded, under the lock."""
+        if committed.failures:
+            await self._quarantine(decision, committed.failures)
+        await self._record(decision)
+        await self.review(committed.acks.values())  # workers it brought to the committed bits again
+        return self.ack(committed)
+
+    async def _record(self, decision: CommitDecision) -> None:
+        """The decided version: in the store, then on rl.version, then the decision marked
+        done; the session closes. A successor finds a decision not marked done and records it."""
+        new = decision.committed
         await self._commit_version(new)  # durable before KV forgets the session
         self.state_lost = False
-        await self._settle(done.state)
-        await self.fleet.event("session_committed", workers, new.version, session_id=sid)
-        return self.ack(committed)
+        self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
+        await self.store.put_decision(self.decision)
+        if isinstance(self.session, S.Decided) and self.session.session_id == decision.session_id:
+            await self._settle(self._advance(S.CommitDone()).state)
+        await self.fleet.event("session_committed", decision.workers, new.version if decision.target == "main"
+                               else new.draft_version or "", session_id=decision.session_id)
 
     async def _refuse_a_used_version(self, version: str) -> None:
         """With unique_versions on: refuse a version string that was committed before (the
@@ -338,13 +552,15 @@ class Updates:
     async def abort_weight_update(self, cmd: AbortWeightUpdate) -> FleetAck:
         reason = cmd.reason or "aborted by the trainer"
         async with self.fleet.lock:
+            self.leases.refuse_others(cmd.trainer_id, "abort_weight_update")
             sid = self.session_id
-            step = self._advance(S.Abort(session_id=cmd.session_id or None))
+            step = self._advance(S.Abort(session_id=cmd.session_id))
             workers = self.fleet.ids()
             await self._settle(step.state)
+            await self.leases.release(cmd.trainer_id)
             # abort_workers when a session was open; with none open the trainer's abort still
-            # sweeps any session a worker holds (e.g. one a crashed controller left)
-            out = await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid or "", reason=reason), workers)
+            # sweeps any session a worker holds (e.g. one a crashed controller left): None = any
+            out = await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason=reason), workers)
         if sid:
             await self.fleet.event("session_aborted", workers, reason, session_id=sid)
         return self.ack(out)
@@ -358,6 +574,7 @@ class Updates:
                     "the controller state was lost, so which weights the workers hold is not known: push weights "
                     "(push_weights) to commit a version before renaming it"
                 )
+            self.leases.refuse_others(cmd.trainer_id, "update_weight_version")
             self._advance(S.VersionSet())
             await self._refuse_a_used_version(cmd.new_version)
             workers = self.fleet.ids()
@@ -396,3 +613,7 @@ class Updates:
                 {w: f"holds {held}" for w in seen},
             )
         return msgspec.structs.replace(self.version, workers=len(seen))
+
+
+async def _nobody_withholds(workers: list[str]) -> None:
+    return None

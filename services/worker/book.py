@@ -89,14 +89,6 @@ class Book:
         """update_weight_version: the same main weights under a new version and seq."""
         self._main = WeightLabel(version, seq)
 
-    def take_seq(self, version: str, seq: int) -> bool:
-        """A controller syncs the committed (version, seq): a worker holding that version takes
-        the seq with it. True if it holds it (it is current)."""
-        if self._main.version != version:
-            return False
-        self._main = WeightLabel(version, seq)
-        return True
-
     def tear(self, target: UpdateTarget) -> None:
         """An aborted in_place update wrote some bytes: the main weights are dirty; the draft
         holds no commit's bits any more."""

@@ -65,7 +65,7 @@ from rlbus.bus.connection import request
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
-from .book import Book
+from .book import Book, WeightLabel
 from .engine import Engine
 from .updates import WeightUpdates
 from .repair import RepairSource
@@ -418,7 +418,8 @@ class WorkerService:
         self._last_beat = time.monotonic()
         self.book.follow(cmd.controller_id)
         await self.converge(cmd.desired)
-        current = self.book.take_seq(cmd.committed_version, cmd.seq)
+        # current only on exactly the committed (version, seq): a seq names one set of bits, a string may not
+        current = self.book.holds(WeightLabel(cmd.committed_version, cmd.seq))
         await self._withhold(not current)
         return self.ack()
 

@@ -4,17 +4,26 @@ handover (no responders) with the same id."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import uuid
 
 import anyio
 import pytest
 
 import rlbus
-from rlbus.schemas import FleetAck, Nack, Pause, Resume, Subjects, UpdateWeightVersion, encode, reply_decoder
+from rlbus.runners.children import spawn
+from rlbus.runners.local import LocalFleet
+from rlbus.schemas import (FleetAck, GetServerInfo, Nack, Pause, Resume, ServerInfo, Subjects, UpdateWeightVersion, encode,
+                           reply_decoder)
 from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
 from tests.fleet import fleet_running
 from tests.waiting import eventually
-from tests.weights_helpers import VersionEvents, new_version
+from tests.weights_helpers import MODEL, VersionEvents, new_version
 
 WORKERS = ("w0", "w1")
 
@@ -77,7 +86,7 @@ async def test_a_retry_after_a_controller_restart_gets_the_first_answer_and_runs
 
 async def test_the_sdk_retries_through_a_controller_handover_with_the_same_id(fleet, prefix, caplog):
     f, rl = fleet
-    caplog.set_level("INFO", logger="rlbus.sdk.client")
+    caplog.set_level("DEBUG", logger="rlbus.sdk.client")  # retries log at DEBUG until they last
     await rl.pause("abort")
     await f.stop(f.controller)  # nobody answers rl.control.* now
     resumed: list[FleetAck] = []
@@ -101,3 +110,71 @@ async def test_a_call_gives_up_with_unavailable_once_its_retry_window_passes(nat
     async with await rlbus.RLClient.connect(nats_server.url, prefix="nobody-" + uuid.uuid4().hex[:6], timeout=10, retry_s=0.5) as rl:
         with anyio.fail_after(5), pytest.raises(rlbus.Unavailable, match="no responders"):
             await rl.server_info()
+
+
+# ---- an answer is durable before it is sent (real controller processes, SIGKILL) ---------------
+
+KILL_ROUNDS = 5
+
+
+def _controller_process(url: str, prefix: str) -> subprocess.Popen:
+    return spawn([sys.executable, "-m", "rlbus", "controller", "--nats-url", url, "--prefix", prefix, "--lease", "0.5",
+                  "--liveness-timeout", "1.5", "--command-timeout", "5"],
+                 env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.fixture
+async def process_controllers(nats_server):
+    """Two in-process workers and controllers as real processes (the test starts them)."""
+    p = "k" + uuid.uuid4().hex[:8]
+    fleet = LocalFleet(nats_server.url)
+    procs: list[subprocess.Popen] = []
+    rl = await rlbus.RLClient.connect(nats_server.url, prefix=p, timeout=20.0)
+    try:
+        for wid in WORKERS:
+            await fleet.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=Subjects(prefix=p),
+                                                                          heartbeat_s=0.2))
+        yield rl, p, procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            await anyio.to_thread.run_sync(proc.wait, 10)
+        await rl.close()
+        await fleet.close()
+
+
+async def _leads_with_every_worker(rl: rlbus.RLClient, proc: subprocess.Popen) -> bool:
+    try:
+        info = await rl.call(GetServerInfo(), ServerInfo, timeout=1.0)
+    except rlbus.RLBusError:
+        return False
+    return proc.poll() is None and len(info.workers) == len(WORKERS)
+
+
+async def test_a_controller_killed_right_after_it_answered_never_runs_the_retried_command_again(
+        process_controllers, raw, nats_server):
+    rl, p, procs = process_controllers
+    subject = Subjects(prefix=p).control("update_weight_version")
+    async with VersionEvents(rl) as events:
+        published: list[str] = []
+        for _ in range(KILL_ROUNDS):
+            procs.append(_controller_process(nats_server.url, p))
+            await eventually(lambda: _leads_with_every_worker(rl, procs[-1]), timeout=30, what="a controller leading")
+            version = new_version("kill")
+            command = UpdateWeightVersion(new_version=version, command_id=uuid.uuid4().hex)
+            first = await raw.request(subject, encode(command), timeout=10)
+            procs[-1].send_signal(signal.SIGKILL)  # right after it answered: its answer must be kept already
+            published.append(version)
+            assert isinstance(reply_decoder.decode(first.data), FleetAck)
+            procs.append(_controller_process(nats_server.url, p))
+            await eventually(lambda: _leads_with_every_worker(rl, procs[-1]), timeout=30, what="the next controller")
+            retry = await raw.request(subject, encode(command), timeout=10)
+            assert retry.data == first.data, "the retry was run again instead of answered from the first run"
+            procs[-1].send_signal(signal.SIGKILL)  # the next round starts from a dead leader too
+        procs.append(_controller_process(nats_server.url, p))
+        await eventually(lambda: _leads_with_every_worker(rl, procs[-1]), timeout=30, what="a last controller")
+        assert await rl.get_weight_version() == published[-1]
+        await events.wait_for(len(published))
+        assert [v.version for v in events.seen] == published, "a retried command published its version again"
+        assert len({v.seq for v in events.seen}) == len(published)

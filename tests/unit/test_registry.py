@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import time
 
-from rlbus.schemas import Capabilities, WorkerState
+from rlbus.schemas import Capabilities, VersionInfo, WorkerState
 from rlbus.services.controller.registry import Registry
 
 
@@ -52,8 +52,11 @@ def test_a_heartbeat_from_an_unknown_worker_is_not_registered():
     assert "ghost" not in reg
 
 
-def test_stale_workers_are_flagged_against_the_committed_version():
+def test_stale_workers_are_flagged_against_the_committed_version_and_seq():
     reg = Registry()
-    reg.join(_caps(), WorkerState(worker_id="a", weight_version="v2"))
-    reg.join(_caps(), WorkerState(worker_id="b", weight_version="v1"))
-    assert [i.behind for i in reg.infos("v2")] == [False, True]
+    reg.join(_caps(), WorkerState(worker_id="a", weight_version="v2", weight_seq=2))
+    reg.join(_caps(), WorkerState(worker_id="b", weight_version="v1", weight_seq=1))
+    reg.join(_caps(), WorkerState(worker_id="c", weight_version="v2", weight_seq=1))  # the same string, other bits
+    infos = reg.infos(VersionInfo(version="v2", seq=2), quarantined={"c"})
+    assert [i.behind for i in infos] == [False, True, True]
+    assert [i.quarantined for i in infos] == [False, False, True]

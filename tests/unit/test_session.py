@@ -8,6 +8,8 @@ from rlbus.services.controller.session import (
     Abort,
     CommitDone,
     Committing,
+    Decide,
+    Decided,
     Failed,
     Finish,
     Idle,
@@ -22,6 +24,7 @@ from rlbus.services.controller.session import (
 
 OPEN = Open(session_id="s1", target="main", epoch=1)
 COMMITTING = Committing(session_id="s1", target="main", epoch=1, version="v1")
+DECIDED = Decided(session_id="s1", target="main", epoch=1, version="v1", seq=7)
 
 # (state, event, next state or None when refused, refusal code, abort workers)
 TABLE = [
@@ -39,11 +42,24 @@ TABLE = [
     (OPEN, WorkerLost("w1"), Idle(), None, True),
     (OPEN, SleepWeights(), Idle(), None, True),
     (OPEN, VersionSet(), None, "FAILED_PRECONDITION", False),
-    (COMMITTING, CommitDone(), Idle(), None, False),
+    (COMMITTING, Decide(7), DECIDED, None, False),
+    (COMMITTING, CommitDone(), None, "INTERNAL", False),
     (COMMITTING, Failed("nack"), Idle(), None, True),
     (COMMITTING, WorkerLost("w0"), Idle(), None, True),
     (COMMITTING, Start("s2", "main", 1), None, "FAILED_PRECONDITION", False),
     (COMMITTING, Update(), None, "FAILED_PRECONDITION", False),
+    (Idle(), Decide(1), None, "INTERNAL", False),
+    (OPEN, Decide(1), None, "INTERNAL", False),
+    # from the decision on the outcome is commit: nothing aborts it
+    (DECIDED, CommitDone(), Idle(), None, False),
+    (DECIDED, Failed("a worker failed its commit"), None, "FAILED_PRECONDITION", False),
+    (DECIDED, WorkerLost("w0"), None, "FAILED_PRECONDITION", False),
+    (DECIDED, Abort(), None, "FAILED_PRECONDITION", False),
+    (DECIDED, Abort("s1"), None, "FAILED_PRECONDITION", False),
+    (DECIDED, SleepWeights(), None, "FAILED_PRECONDITION", False),
+    (DECIDED, Start("s2", "main", 1), None, "FAILED_PRECONDITION", False),
+    (DECIDED, Finish("v2"), None, "FAILED_PRECONDITION", False),
+    (DECIDED, Decide(8), None, "FAILED_PRECONDITION", False),
 ]
 
 
@@ -66,7 +82,7 @@ def test_finish_without_start_is_refused_with_a_hint():
 
 def test_a_full_session_returns_to_idle():
     st = Idle()
-    for ev in [Start("s", "draft", 2), Update(), Update(), Finish(None), CommitDone()]:
+    for ev in [Start("s", "draft", 2), Update(), Update(), Finish(None), Decide(1), CommitDone()]:
         out = step(st, ev)
         assert out.refusal is None
         st = out.state

@@ -1,0 +1,68 @@
+"""The reply cache keeps a state-changing command's answer before it is sent, and a command that
+started but never answered (its process died) is refused on retry, not run twice; no server."""
+
+from __future__ import annotations
+
+import anyio
+
+from rlbus.schemas import Nack, reply_decoder
+from rlbus.services.endpoints import ReplyCache, StoredReply
+
+
+class DictReplies:
+    """A DurableReplies in a dict, whose writes wait for `gate` (a slow store)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, StoredReply] = {}
+        self.gate = anyio.Event()
+
+    async def get(self, command_id: str) -> StoredReply | None:
+        return self.kept.get(command_id)
+
+    async def put(self, command_id: str, stored: StoredReply) -> None:
+        if stored.answered:
+            await self.gate.wait()
+        self.kept[command_id] = stored
+
+
+async def test_an_answer_is_not_returned_before_the_store_kept_it():
+    store = DictReplies()
+    cache = ReplyCache(durable=store)
+    answered: list[bytes] = []
+
+    async def run() -> None:
+        answered.append(await cache.run("c1", "pause:x", lambda: _answer(b"ok"), durable=True))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+        assert not store.kept["c1"].answered, "the command is marked started before it runs"
+        assert not answered, "the answer went out before the store kept it"
+        store.gate.set()
+    assert answered == [b"ok"] and store.kept["c1"] == StoredReply("pause:x", b"ok")
+
+
+async def test_a_command_that_started_and_never_answered_is_refused_on_retry_not_run_again():
+    store = DictReplies()
+    store.kept["c1"] = StoredReply("update_weight_version:x", b"", answered=False)  # a process died mid-run
+    ran: list[bool] = []
+
+    async def work() -> bytes:
+        ran.append(True)
+        return b"ran"
+
+    reply = reply_decoder.decode(await ReplyCache(durable=store).run("c1", "update_weight_version:x", work, durable=True))
+    assert not ran
+    assert isinstance(reply, Nack) and reply.code == "ABORTED" and "not run twice" in reply.message
+
+
+async def test_a_read_is_neither_marked_nor_kept():
+    store = DictReplies()
+    assert await ReplyCache(durable=store).run("c1", "is_paused:x", lambda: _answer(b"yes")) == b"yes"
+    assert not store.kept
+
+
+async def _answer(data: bytes) -> bytes:
+    return data
+
+
