@@ -41,15 +41,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import nats  # noqa: E402
-from weightless import WeightlessEngine  # noqa: E402
+import nats
+from rlbus.schemas import PauseWorker, Subjects, WorkerAck, encode
+from rlbus.services.controller.service import ControllerOptions, ControllerService
+from rlbus.services.worker.service import WorkerOptions, WorkerService
+from weightless import WeightlessEngine
 
-from rlbus.sdk.client import RLClient  # noqa: E402
-from rlbus.bus.connection import connect  # noqa: E402
-from rlbus.runners.natsserver import NatsServer  # noqa: E402
-from rlbus.schemas import PauseWorker, Subjects, WorkerAck, encode  # noqa: E402
-from rlbus.services.controller.service import ControllerOptions, ControllerService  # noqa: E402
-from rlbus.services.worker.service import WorkerOptions, WorkerService  # noqa: E402
+from rlbus.bus.connection import connect
+from rlbus.runners.natsserver import NatsServer
+from rlbus.sdk.client import RLClient
 
 WARMUP = 3
 BLOCKS = 5
@@ -96,7 +96,7 @@ async def _discovered(nc, name: str, wait: float = 0.5) -> int:
     inbox = nc.new_inbox()
     got = []
 
-    async def on_pong(msg) -> None:  # noqa: ANN001
+    async def on_pong(msg) -> None:
         got.append(msg)
 
     sub = await nc.subscribe(inbox, cb=on_pong)
@@ -170,15 +170,17 @@ async def raw_fleet(url: str, n: int, per_conn: int, sizes: dict[str, int]) -> A
         for i in range(n):
             nc = wconns[i % len(wconns)]
 
-            async def respond(msg, nc=nc) -> None:  # noqa: ANN001
+            async def respond(msg, nc=nc) -> None:
                 await nc.publish(msg.reply, worker_ack)
 
             for op in ("pause", "resume"):
                 await nc.subscribe(f"{prefix}.worker.w{i}.{op}", cb=respond)
 
-        async def controller(msg) -> None:  # noqa: ANN001
+        async def controller(msg) -> None:
             op = msg.subject.rsplit(".", 1)[1]
-            await asyncio.gather(*(ctrl_nc.request(f"{prefix}.worker.w{i}.{op}", command, timeout=30) for i in range(n)))
+            await asyncio.gather(
+                *(ctrl_nc.request(f"{prefix}.worker.w{i}.{op}", command, timeout=30) for i in range(n))
+            )
             await ctrl_nc.publish(msg.reply, fleet_ack)
 
         await ctrl_nc.subscribe(f"{prefix}.control.*", cb=controller)
@@ -197,7 +199,9 @@ async def raw_fleet(url: str, n: int, per_conn: int, sizes: dict[str, int]) -> A
             await nc.close()
 
 
-async def measure(url: str, n: int, rounds: int, per_conn: int, profiler: cProfile.Profile | None) -> tuple[Result, Result]:
+async def measure(
+    url: str, n: int, rounds: int, per_conn: int, profiler: cProfile.Profile | None
+) -> tuple[Result, Result]:
     """Both fleets up at once; rounds alternate between them in blocks (rlbus, raw, rlbus, ...),
     so a slow spell of a shared machine hits both alike."""
     async with rlbus_fleet(url, n, per_conn) as rl, raw_fleet(url, n, per_conn, rl.sizes) as raw:
@@ -246,7 +250,9 @@ def print_profile(profiler: cProfile.Profile, n: int, rounds: int) -> None:
                 break
         else:
             acc["other"] += tt
-    print(f"\nprofile of {rounds} extra rlbus rounds at N={n} (self time; cProfile inflates per-call cost, so read shares):")
+    print(
+        f"\nprofile of {rounds} extra rlbus rounds at N={n} (self time; cProfile inflates per-call cost, so read shares):"
+    )
     for name, t in sorted(acc.items(), key=lambda kv: -kv[1]):
         print(f"  {name:52s} {t / rounds * 1e3:7.2f} ms/round  {t / total:5.1%}")
     out = io.StringIO()
@@ -263,8 +269,10 @@ async def amain(a: argparse.Namespace) -> None:
         f"machine: {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}, "
         f"nats-py {importlib.metadata.version('nats-py')}, {platform.platform()}"
     )
-    print(f"rounds {a.rounds} (+{WARMUP} warm-up), round = pause(abort) + resume, "
-          f"{a.per_conn} workers per NATS connection, all in one process / event loop")
+    print(
+        f"rounds {a.rounds} (+{WARMUP} warm-up), round = pause(abort) + resume, "
+        f"{a.per_conn} workers per NATS connection, all in one process / event loop"
+    )
     rows = []
     with NatsServer() as server:
         for n in ns:
@@ -272,11 +280,15 @@ async def amain(a: argparse.Namespace) -> None:
             t0 = time.monotonic()
             rl, raw = await measure(server.url, n, a.rounds, a.per_conn, prof)
             rows.append((n, rl, raw))
-            print(f"  N={n:<4d} done in {time.monotonic() - t0:5.1f}s  ({rl.note}; payload bytes: {rl.sizes})", flush=True)
+            print(
+                f"  N={n:<4d} done in {time.monotonic() - t0:5.1f}s  ({rl.note}; payload bytes: {rl.sizes})", flush=True
+            )
             if prof:
                 print_profile(prof, n, a.rounds)
     print()
-    print(f"{'N':>5} {'rlbus ms/round':>15} {'raw ms/round':>13} {'rlbus/raw':>10} {'session ms':>11} {'session/raw':>12}   goal")
+    print(
+        f"{'N':>5} {'rlbus ms/round':>15} {'raw ms/round':>13} {'rlbus/raw':>10} {'session ms':>11} {'session/raw':>12}   goal"
+    )
     for n, rl, raw in rows:
         ratio = rl.median_ms / raw.median_ms
         # a session (start; finish = prepare + commit) is 3 scatter-gathers; raw round is 2
@@ -288,9 +300,13 @@ async def amain(a: argparse.Namespace) -> None:
             goal = "works: met"
         else:
             goal = ""
-        print(f"{n:5d} {rl.median_ms:15.2f} {raw.median_ms:13.2f} {ratio:10.2f} {sess:11.2f} {sess_ratio:12.2f}   {goal}")
-    print("\nsession = start_weight_update + finish_weight_update with no tensors (3 fan-outs + a KV put);"
-          " its raw limit is taken as 1.5 raw rounds (3 scatter-gathers).")
+        print(
+            f"{n:5d} {rl.median_ms:15.2f} {raw.median_ms:13.2f} {ratio:10.2f} {sess:11.2f} {sess_ratio:12.2f}   {goal}"
+        )
+    print(
+        "\nsession = start_weight_update + finish_weight_update with no tensors (3 fan-outs + a KV put);"
+        " its raw limit is taken as 1.5 raw rounds (3 scatter-gathers)."
+    )
 
 
 def main() -> None:

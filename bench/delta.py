@@ -33,12 +33,12 @@ import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory import config_for  # noqa: E402
-from transfer import ReceiverPool  # noqa: E402
+from memory import config_for
+from transfer import ReceiverPool
 
-from rlbus.models.tinylm import ModelConfig, TinyLM  # noqa: E402
-from rlbus.runners.launcher import ProcessFleet  # noqa: E402
-from rlbus.runners.natsserver import NatsServer  # noqa: E402
+from rlbus.models.tinylm import ModelConfig, TinyLM
+from rlbus.runners.launcher import ProcessFleet
+from rlbus.runners.natsserver import NatsServer
 
 MiB = 1 << 20
 INDEX_BYTES = 4
@@ -55,9 +55,26 @@ def _trim() -> None:
 
 def worker_flags(cfg: ModelConfig, mode: str) -> list[str]:
     return [
-        "--weight-transfer-backend", "gloo", "--update-mode", mode, "--max-concurrency", "1", "--dtype", "bfloat16",
-        "--vocab-size", str(cfg.vocab_size), "--d-model", str(cfg.d_model), "--n-layers", str(cfg.n_layers),
-        "--n-heads", str(cfg.n_heads), "--max-seq-len", str(cfg.max_seq_len), "--seed", str(cfg.seed),
+        "--weight-transfer-backend",
+        "gloo",
+        "--update-mode",
+        mode,
+        "--max-concurrency",
+        "1",
+        "--dtype",
+        "bfloat16",
+        "--vocab-size",
+        str(cfg.vocab_size),
+        "--d-model",
+        str(cfg.d_model),
+        "--n-layers",
+        str(cfg.n_layers),
+        "--n-heads",
+        str(cfg.n_heads),
+        "--max-seq-len",
+        str(cfg.max_seq_len),
+        "--seed",
+        str(cfg.seed),
     ]
 
 
@@ -98,7 +115,7 @@ class Master:
         return [(n, p.detach().to(torch.bfloat16)) for n, p in self.model.named_parameters()]
 
 
-async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, master: Master, lrs: list[float]) -> dict:  # noqa: C901
+async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, master: Master, lrs: list[float]) -> dict:
     fleet = ProcessFleet(url, r, worker_flags(cfg, a.mode), log_level="WARNING")
     raw_fleet = ReceiverPool(r)
     fleet.start()
@@ -112,7 +129,7 @@ async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, mas
 
         phases: list[float] = []
 
-        async def push(named, delta: bool) -> float:  # noqa: ANN001
+        async def push(named, delta: bool) -> float:
             t0 = time.monotonic()
             await rl.start_weight_update(delta=delta)
             t1 = time.monotonic()
@@ -132,8 +149,13 @@ async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, mas
                 named = None  # the last round's bf16 copy goes before the next is made
                 master.step(lr)
                 named = master.served()
-                took = {"raw": await anyio.to_thread.run_sync(
-                    lambda: raw_fleet.run(r, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()]))}
+                took = {
+                    "raw": await anyio.to_thread.run_sync(
+                        lambda: raw_fleet.run(
+                            r, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()]
+                        )
+                    )
+                }
                 took["delta"] = await push(named, True)
                 delta_phases = list(phases)
                 st = rl.last_push
@@ -177,12 +199,18 @@ def main() -> None:
         for _ in range(a.warmup):
             master.step(lr)
     served_bytes = sum(p.numel() * 2 for p in master.params)
-    print(f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}")
-    print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers -> {len(master.params)} tensors, {served_bytes / MiB:.0f} MiB bf16 "
-          f"served ({served_bytes / 2 * 4 / MiB:.0f} MiB float32 master, built in {time.monotonic() - t0:.0f}s); "
-          f"bucket {a.bucket_mb} MiB; worker mode {a.mode}; Adam lrs {lrs}, {a.warmup} warm-up steps each")
-    header = (f"{'R':>2} {'lr':>6} {'unchanged':>9} {'sent MiB':>9} {'dense MiB':>9} {'sent/dense':>10} {'sent/(k*6)':>10} "
-              f"{'raw ms':>7} {'dense ms':>8} {'delta ms':>8} {'encode ms':>9} {'raw/delta':>9} {'dense/delta':>11} {'raw/dense':>9}")
+    print(
+        f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}"
+    )
+    print(
+        f"model: d_model {cfg.d_model}, {cfg.n_layers} layers -> {len(master.params)} tensors, {served_bytes / MiB:.0f} MiB bf16 "
+        f"served ({served_bytes / 2 * 4 / MiB:.0f} MiB float32 master, built in {time.monotonic() - t0:.0f}s); "
+        f"bucket {a.bucket_mb} MiB; worker mode {a.mode}; Adam lrs {lrs}, {a.warmup} warm-up steps each"
+    )
+    header = (
+        f"{'R':>2} {'lr':>6} {'unchanged':>9} {'sent MiB':>9} {'dense MiB':>9} {'sent/dense':>10} {'sent/(k*6)':>10} "
+        f"{'raw ms':>7} {'dense ms':>8} {'delta ms':>8} {'encode ms':>9} {'raw/delta':>9} {'dense/delta':>11} {'raw/dense':>9}"
+    )
     rows = []
     with NatsServer() as server:
         for r in [int(x) for x in a.receivers.split(",")]:
@@ -195,14 +223,18 @@ def main() -> None:
     for r, res in rows:
         for lr, m in res.items():
             print(_row(r, lr, m))
-    print("\nthe best delta push by phase (ms): start / update (of which the trainer's encode) / finish (two-phase, "
-          "workers verify the results)")
+    print(
+        "\nthe best delta push by phase (ms): start / update (of which the trainer's encode) / finish (two-phase, "
+        "workers verify the results)"
+    )
     for r, res in rows:
         for lr, m in res.items():
             ph = m["phases"]
             print(f"  R={r} lr {lr:.0e}: {ph[0] * 1e3:.0f} / {ph[1] * 1e3:.0f} ({ph[3] * 1e3:.0f}) / {ph[2] * 1e3:.0f}")
-    print("\ngoals: at >= 99% unchanged, raw/delta >= 10 (R = 1..3); sent/(k*6) <= 1.2 (k changed elements, "
-          "2 value + 4 index bytes; metadata apart). 'encode' = the trainer's compare + encode + result hashes, inside 'delta'.")
+    print(
+        "\ngoals: at >= 99% unchanged, raw/delta >= 10 (R = 1..3); sent/(k*6) <= 1.2 (k changed elements, "
+        "2 value + 4 index bytes; metadata apart). 'encode' = the trainer's compare + encode + result hashes, inside 'delta'."
+    )
 
 
 def _row(r: int, lr: float, m: dict) -> str:
@@ -211,10 +243,12 @@ def _row(r: int, lr: float, m: dict) -> str:
     floor = st.changed * (2 + INDEX_BYTES)
     b = m["best"]
     enc = min(s.encode_s for s in m["stats"])
-    return (f"{r:2d} {lr:6.0e} {unchanged:9.2%} {st.bytes_sent / MiB:9.2f} {st.bytes_dense / MiB:9.1f} "
-            f"{st.bytes_sent / st.bytes_dense:10.4f} {st.bytes_sent / floor:10.2f} "
-            f"{b['raw'] * 1e3:7.0f} {b['dense'] * 1e3:8.0f} {b['delta'] * 1e3:8.0f} {enc * 1e3:9.0f} "
-            f"{b['raw'] / b['delta']:9.2f} {b['dense'] / b['delta']:11.2f} {b['raw'] / b['dense']:9.2f}")
+    return (
+        f"{r:2d} {lr:6.0e} {unchanged:9.2%} {st.bytes_sent / MiB:9.2f} {st.bytes_dense / MiB:9.1f} "
+        f"{st.bytes_sent / st.bytes_dense:10.4f} {st.bytes_sent / floor:10.2f} "
+        f"{b['raw'] * 1e3:7.0f} {b['dense'] * 1e3:8.0f} {b['delta'] * 1e3:8.0f} {enc * 1e3:9.0f} "
+        f"{b['raw'] / b['delta']:9.2f} {b['dense'] / b['delta']:11.2f} {b['raw'] / b['dense']:9.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ import time
 import anyio
 import torch
 
-from rlbus.sdk.client import RLClient
-from rlbus.runners.natsserver import NatsServer
 from rlbus.models.tinylm import ModelConfig, TinyLM
+from rlbus.runners.natsserver import NatsServer
+from rlbus.sdk.client import RLClient
 
 MiB = 1 << 20
 D_MODEL, N_HEADS, VOCAB, SEQ = 1024, 8, 64, 16
@@ -85,7 +85,7 @@ class Sampler:
             self.samples += 1
             time.sleep(self.interval)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -95,7 +95,7 @@ class Sampler:
         self.peak = max(self.peak, proc_status(self.pid)["VmRSS"])
 
 
-def _spawn(args: list[str], log) -> subprocess.Popen:  # noqa: ANN001
+def _spawn(args: list[str], log) -> subprocess.Popen:
     env = dict(os.environ, RLBUS_LOG_LEVEL="WARNING")
     return subprocess.Popen([sys.executable, "-m", "rlbus", *args], stdout=log, stderr=log, env=env)
 
@@ -110,16 +110,40 @@ def _stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
-async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int,
-                  changed: float = 0.0) -> dict:
-    with NatsServer() as server, open(os.devnull, "w") as log:
+async def measure(
+    mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int, changed: float = 0.0
+) -> dict:
+    with NatsServer() as server, open(os.devnull, "w") as log:  # noqa: ASYNC230 - /dev/null does not block
         ctrl = _spawn(["controller", "--nats-url", server.url], log)
-        worker = _spawn([
-            "worker", "--nats-url", server.url, "--id", "w0", "--weight-transfer-backend", "gloo", "--update-mode", mode,
-            "--vocab-size", str(cfg.vocab_size), "--d-model", str(cfg.d_model), "--n-layers", str(cfg.n_layers),
-            "--n-heads", str(cfg.n_heads), "--max-seq-len", str(cfg.max_seq_len), "--max-concurrency", "1",
-            "--no-draft", "--heartbeat", "1.0",
-        ], log)
+        worker = _spawn(
+            [
+                "worker",
+                "--nats-url",
+                server.url,
+                "--id",
+                "w0",
+                "--weight-transfer-backend",
+                "gloo",
+                "--update-mode",
+                mode,
+                "--vocab-size",
+                str(cfg.vocab_size),
+                "--d-model",
+                str(cfg.d_model),
+                "--n-layers",
+                str(cfg.n_layers),
+                "--n-heads",
+                str(cfg.n_heads),
+                "--max-seq-len",
+                str(cfg.max_seq_len),
+                "--max-concurrency",
+                "1",
+                "--no-draft",
+                "--heartbeat",
+                "1.0",
+            ],
+            log,
+        )
         try:
             rl = await RLClient.connect(server.url, timeout=120)
             try:
@@ -153,12 +177,21 @@ async def measure(mode: str, cfg: ModelConfig, new: list[tuple[str, torch.Tensor
         finally:
             _stop(worker)
             _stop(ctrl)
-    return {"baseline": baseline, "peaks": peaks, "hwm": after["VmHWM"], "rss_after": after["VmRSS"], "secs": secs,
-            "samples": s.samples, "trainer_extra": trainer_peak - trainer_baseline, "delta": delta}
+    return {
+        "baseline": baseline,
+        "peaks": peaks,
+        "hwm": after["VmHWM"],
+        "rss_after": after["VmRSS"],
+        "secs": secs,
+        "samples": s.samples,
+        "trainer_extra": trainer_peak - trainer_baseline,
+        "delta": delta,
+    }
 
 
-async def _delta_pushes(rl: RLClient, pid: int, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int,
-                        changed: float) -> dict:
+async def _delta_pushes(
+    rl: RLClient, pid: int, new: list[tuple[str, torch.Tensor]], bucket: int, pushes: int, changed: float
+) -> dict:
     """One tracked dense push (the trainer's snapshot), then `pushes` deltas with a fraction
     `changed` of the elements different each time; peaks of the worker and the trainer."""
     current = [(n, t.clone()) for n, t in new]
@@ -181,8 +214,14 @@ async def _delta_pushes(rl: RLClient, pid: int, new: list[tuple[str, torch.Tenso
         sent.append(st.bytes_sent)
         peaks.append(s.peak)
         trainer_peak = max(trainer_peak, me.peak)
-    return {"baseline": baseline, "peak": max(peaks), "sent": max(sent), "snapshot": rl.push.snapshot_bytes,
-            "trainer_held": trainer_baseline - trainer_before, "trainer_extra": trainer_peak - trainer_before}
+    return {
+        "baseline": baseline,
+        "peak": max(peaks),
+        "sent": max(sent),
+        "snapshot": rl.push.snapshot_bytes,
+        "trainer_held": trainer_baseline - trainer_before,
+        "trainer_extra": trainer_peak - trainer_before,
+    }
 
 
 async def amain(a: argparse.Namespace) -> None:
@@ -194,40 +233,55 @@ async def amain(a: argparse.Namespace) -> None:
     bucket = a.bucket_mb * MiB
     kv = 2 * cfg.n_layers * cfg.max_seq_len * cfg.d_model * 4
     print(f"machine: {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}")
-    print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, vocab {cfg.vocab_size} -> {model_bytes / MiB:.1f} MiB float32 "
-          f"({len(new)} tensors); KV cache {kv / MiB:.2f} MiB; bucket {a.bucket_mb} MiB; {a.pushes} push(es) per mode")
+    print(
+        f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, vocab {cfg.vocab_size} -> {model_bytes / MiB:.1f} MiB float32 "
+        f"({len(new)} tensors); KV cache {kv / MiB:.2f} MiB; bucket {a.bucket_mb} MiB; {a.pushes} push(es) per mode"
+    )
     rows = []
     for mode in a.modes.split(","):
         t0 = time.monotonic()
         r = await measure(mode, cfg, new, bucket, a.pushes, a.delta_changed)
         rows.append((mode, r))
         pushes = ", ".join(f"{p / MiB:.0f} MiB in {s:.1f}s" for p, s in zip(r["peaks"], r["secs"]))
-        print(f"  {mode:8s} done in {time.monotonic() - t0:5.1f}s  peaks per push: {pushes}; "
-              f"RSS after {r['rss_after'] / MiB:.0f} MiB; last push {r['samples']} samples", flush=True)
+        print(
+            f"  {mode:8s} done in {time.monotonic() - t0:5.1f}s  peaks per push: {pushes}; "
+            f"RSS after {r['rss_after'] / MiB:.0f} MiB; last push {r['samples']} samples",
+            flush=True,
+        )
     print()
-    print(f"{'mode':8s} {'baseline':>9s} {'peak':>9s} {'VmHWM':>9s} {'extra':>9s} {'target':>9s} {'extra/target':>13s}   "
-          f"{'extra in models':>15s} {'extra in buckets':>16s}")
+    print(
+        f"{'mode':8s} {'baseline':>9s} {'peak':>9s} {'VmHWM':>9s} {'extra':>9s} {'target':>9s} {'extra/target':>13s}   "
+        f"{'extra in models':>15s} {'extra in buckets':>16s}"
+    )
     for mode, r in rows:
         peak = max(max(r["peaks"]), 0)
         extra = peak - r["baseline"]
         target = 2 * bucket + (model_bytes if mode == "staged" else 0)
         ok = "met" if extra <= target else "MISSED"
-        print(f"{mode:8s} {r['baseline'] / MiB:7.0f}Mi {peak / MiB:7.0f}Mi {r['hwm'] / MiB:7.0f}Mi {extra / MiB:7.0f}Mi "
-              f"{target / MiB:7.0f}Mi {extra / target:12.2f}x   {extra / model_bytes:15.2f} {extra / bucket:16.2f}   {ok}")
+        print(
+            f"{mode:8s} {r['baseline'] / MiB:7.0f}Mi {peak / MiB:7.0f}Mi {r['hwm'] / MiB:7.0f}Mi {extra / MiB:7.0f}Mi "
+            f"{target / MiB:7.0f}Mi {extra / target:12.2f}x   {extra / model_bytes:15.2f} {extra / bucket:16.2f}   {ok}"
+        )
     for mode, r in rows:
-        print(f"trainer during the {mode} pushes: extra {r['trainer_extra'] / MiB:.0f} MiB = "
-              f"{r['trainer_extra'] / bucket:.2f} buckets = {r['trainer_extra'] / model_bytes:.2f} x model (two scratch buffers)")
+        print(
+            f"trainer during the {mode} pushes: extra {r['trainer_extra'] / MiB:.0f} MiB = "
+            f"{r['trainer_extra'] / bucket:.2f} buckets = {r['trainer_extra'] / model_bytes:.2f} x model (two scratch buffers)"
+        )
     for mode, r in rows:
         d = r["delta"]
         if d is None:
             continue
         extra = d["peak"] - d["baseline"]
-        print(f"{mode}+delta ({a.delta_changed:.0%} changed, {d['sent'] / MiB:.1f} MiB sent): worker extra {extra / MiB:.0f} MiB = "
-              f"{extra / model_bytes:.2f} x model = {extra / max(d['sent'], 1):.2f} x the delta sent; trainer: snapshot "
-              f"{d['snapshot'] / MiB:.0f} MiB ({d['snapshot'] / model_bytes:.2f} x model), RSS +{d['trainer_held'] / MiB:.0f} MiB "
-              f"held between pushes, +{d['trainer_extra'] / MiB:.0f} MiB at the peak of a delta push")
-    print("\ntargets: in_place extra <= 2 buckets (peak <= model + 2 buckets); "
-          "staged extra <= model + 2 buckets (peak <= 2 x model + 2 buckets). MiB = 2^20 bytes.")
+        print(
+            f"{mode}+delta ({a.delta_changed:.0%} changed, {d['sent'] / MiB:.1f} MiB sent): worker extra {extra / MiB:.0f} MiB = "
+            f"{extra / model_bytes:.2f} x model = {extra / max(d['sent'], 1):.2f} x the delta sent; trainer: snapshot "
+            f"{d['snapshot'] / MiB:.0f} MiB ({d['snapshot'] / model_bytes:.2f} x model), RSS +{d['trainer_held'] / MiB:.0f} MiB "
+            f"held between pushes, +{d['trainer_extra'] / MiB:.0f} MiB at the peak of a delta push"
+        )
+    print(
+        "\ntargets: in_place extra <= 2 buckets (peak <= model + 2 buckets); "
+        "staged extra <= model + 2 buckets (peak <= 2 x model + 2 buckets). MiB = 2^20 bytes."
+    )
 
 
 def main() -> None:
@@ -236,7 +290,12 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=32)
     ap.add_argument("--pushes", type=int, default=2)
     ap.add_argument("--modes", default="staged,in_place")
-    ap.add_argument("--delta-changed", type=float, default=0.01, help="fraction of elements a delta push changes (0: no delta pushes)")
+    ap.add_argument(
+        "--delta-changed",
+        type=float,
+        default=0.01,
+        help="fraction of elements a delta push changes (0: no delta pushes)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     anyio.run(amain, a)

@@ -33,16 +33,20 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory import config_for  # noqa: E402
-from transfer import ReceiverPool  # noqa: E402
-from transfer import chunk_sizes, mixed_model, send_chunked  # noqa: E402
-from weightless import TensorEngine  # noqa: E402
+from memory import config_for
+from transfer import (
+    ReceiverPool,
+    chunk_sizes,
+    mixed_model,
+    send_chunked,
+)
+from weightless import TensorEngine
 
-from rlbus.runners.children import spawn  # noqa: E402
-from rlbus.runners.launcher import ProcessFleet  # noqa: E402
-from rlbus.runners.natsserver import NatsServer  # noqa: E402
-from rlbus.models.tinylm import TinyLM  # noqa: E402
-from rlbus.transfer.buckets import as_bytes  # noqa: E402
+from rlbus.models.tinylm import TinyLM
+from rlbus.runners.children import spawn
+from rlbus.runners.launcher import ProcessFleet
+from rlbus.runners.natsserver import NatsServer
+from rlbus.transfer.buckets import as_bytes
 
 MiB = 1 << 20
 
@@ -57,11 +61,24 @@ def model_named(model: str, size_mb: int) -> list[tuple[str, torch.Tensor]]:
     return mixed_model(min(size_mb * MiB // 8, 32 * MiB), 1000, 1)
 
 
-def worker_flags(cfg, mode: str) -> list[str]:  # noqa: ANN001
+def worker_flags(cfg, mode: str) -> list[str]:
     return [
-        "--weight-transfer-backend", "gloo", "--update-mode", mode, "--max-concurrency", "1",
-        "--vocab-size", str(cfg.vocab_size), "--d-model", str(cfg.d_model), "--n-layers", str(cfg.n_layers),
-        "--n-heads", str(cfg.n_heads), "--max-seq-len", str(cfg.max_seq_len),
+        "--weight-transfer-backend",
+        "gloo",
+        "--update-mode",
+        mode,
+        "--max-concurrency",
+        "1",
+        "--vocab-size",
+        str(cfg.vocab_size),
+        "--d-model",
+        str(cfg.d_model),
+        "--n-layers",
+        str(cfg.n_layers),
+        "--n-heads",
+        str(cfg.n_heads),
+        "--max-seq-len",
+        str(cfg.max_seq_len),
     ]
 
 
@@ -76,14 +93,17 @@ class TensorFleet(ProcessFleet):
         self._spawn("controller", ["controller", "--nats-url", self.url])
         env = dict(os.environ, RLBUS_LOG_LEVEL="WARNING")
         for i in range(self.n_workers):
-            self.procs[f"worker-{i}"] = spawn([sys.executable, __file__, "--serve", "--nats-url", self.url,
-                                               "--id", f"worker-{i}", *self.serve_args], env=env)
+            self.procs[f"worker-{i}"] = spawn(
+                [sys.executable, __file__, "--serve", "--nats-url", self.url, "--id", f"worker-{i}", *self.serve_args],
+                env=env,
+            )
 
 
 def serve_worker(a: argparse.Namespace) -> None:
     """A worker process for mixed/small: TensorEngine behind the real WorkerService."""
-    from rlbus.runners.serve import serve
     from rlbus.services.worker.service import WorkerOptions, WorkerService
+
+    from rlbus.runners.serve import serve
 
     torch.set_num_threads(1)
     held = [(n, torch.zeros_like(t)) for n, t in model_named(a.model, a.size_mb)]
@@ -91,7 +111,7 @@ def serve_worker(a: argparse.Namespace) -> None:
     anyio.run(lambda: serve(a.nats_url, f"rlbus-worker-{a.id}", lambda nc: WorkerService(nc, TensorEngine(held), opts)))
 
 
-async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[str, float]:  # noqa: ANN001
+async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[str, float]:
     """Best seconds of the raw flat broadcast, the rlbus push (and the naive per-tensor
     broadcasts, for small) to R receivers, measured alternately; each push commits a version."""
     if a.model == "tinylm":
@@ -104,12 +124,14 @@ async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[
     chunk = a.bucket_mb * MiB
     kinds = {
         "raw": lambda: raw_fleet.run(r, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()]),
-        "bare": lambda: raw_fleet.run(r, "gloo", "chunked", 1, lambda tx: send_chunked(tx, flat, chunk),
-                                      sizes=chunk_sizes(flat.numel(), chunk)),
+        "bare": lambda: raw_fleet.run(
+            r, "gloo", "chunked", 1, lambda tx: send_chunked(tx, flat, chunk), sizes=chunk_sizes(flat.numel(), chunk)
+        ),
     }
     if a.model == "small":
-        kinds["naive"] = lambda: raw_fleet.run(r, "gloo", "naive", 1, lambda tx: [tx.send(as_bytes(t)).wait() for _, t in named],
-                                               sizes=sizes)
+        kinds["naive"] = lambda: raw_fleet.run(
+            r, "gloo", "naive", 1, lambda tx: [tx.send(as_bytes(t)).wait() for _, t in named], sizes=sizes
+        )
     try:
         rl = await fleet.wait_ready()
         rl.timeout = 300
@@ -135,7 +157,9 @@ async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tinylm", choices=["tinylm", "mixed", "small"])
-    ap.add_argument("--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB; small: an eighth, 32 MiB at most)")
+    ap.add_argument(
+        "--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB; small: an eighth, 32 MiB at most)"
+    )
     ap.add_argument("--receivers", default="1,2,3")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="in_place", choices=["in_place", "staged"])
@@ -150,21 +174,30 @@ def main() -> None:
     named = model_named(a.model, a.size_mb)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     flat = torch.ones(nbytes, dtype=torch.uint8)
-    print(f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}")
-    print(f"model {a.model}: {len(named)} tensors, {nbytes / MiB:.0f} MiB; bucket {a.bucket_mb} MiB; worker mode {a.mode}")
+    print(
+        f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}"
+    )
+    print(
+        f"model {a.model}: {len(named)} tensors, {nbytes / MiB:.0f} MiB; bucket {a.bucket_mb} MiB; worker mode {a.mode}"
+    )
     rows = []
     with NatsServer() as server:
         for r in [int(x) for x in a.receivers.split(",")]:
             rows.append((r, anyio.run(measure, server.url, r, a, named, flat)))
             print(f"  R={r} done", flush=True)
     naive = a.model == "small"
-    print(f"\n{'R':>3} {'raw GB/s':>9} {'rlbus GB/s':>11} {'rlbus/raw':>10} {'bare GB/s':>10} {'rlbus/bare':>11}"
-          + (f" {'naive GB/s':>11} {'rlbus/naive':>12}" if naive else "")
-          + "   goals: rlbus/raw >= 0.9, rlbus/bare >= 0.9" + (", rlbus/naive >= 2" if naive else ""))
+    print(
+        f"\n{'R':>3} {'raw GB/s':>9} {'rlbus GB/s':>11} {'rlbus/raw':>10} {'bare GB/s':>10} {'rlbus/bare':>11}"
+        + (f" {'naive GB/s':>11} {'rlbus/naive':>12}" if naive else "")
+        + "   goals: rlbus/raw >= 0.9, rlbus/bare >= 0.9"
+        + (", rlbus/naive >= 2" if naive else "")
+    )
     print(f"    (bare: the same bytes as {a.bucket_mb} MiB broadcasts hashed on both ends, no control plane)")
     for r, b in rows:
-        line = (f"{r:3d} {nbytes / b['raw'] / 1e9:9.2f} {nbytes / b['rlbus'] / 1e9:11.2f} {b['raw'] / b['rlbus']:10.2f} "
-                f"{nbytes / b['bare'] / 1e9:10.2f} {b['bare'] / b['rlbus']:11.2f}")
+        line = (
+            f"{r:3d} {nbytes / b['raw'] / 1e9:9.2f} {nbytes / b['rlbus'] / 1e9:11.2f} {b['raw'] / b['rlbus']:10.2f} "
+            f"{nbytes / b['bare'] / 1e9:10.2f} {b['bare'] / b['rlbus']:11.2f}"
+        )
         if naive:
             line += f" {nbytes / b['naive'] / 1e9:11.2f} {b['naive'] / b['rlbus']:12.2f}"
         print(line)

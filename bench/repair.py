@@ -29,14 +29,14 @@ import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory import config_for  # noqa: E402
-from push import worker_flags  # noqa: E402
-from transfer import ReceiverPool  # noqa: E402
+from memory import config_for
+from push import worker_flags
+from rlbus.schemas import FleetEvent, event_decoder
+from transfer import ReceiverPool
 
-from rlbus.models.tinylm import TinyLM  # noqa: E402
-from rlbus.runners.launcher import ProcessFleet  # noqa: E402
-from rlbus.runners.natsserver import NatsServer  # noqa: E402
-from rlbus.schemas import FleetEvent, event_decoder  # noqa: E402
+from rlbus.models.tinylm import TinyLM
+from rlbus.runners.launcher import ProcessFleet
+from rlbus.runners.natsserver import NatsServer
 
 MiB = 1 << 20
 
@@ -60,8 +60,12 @@ async def measure(url: str, a: argparse.Namespace, nbytes: int) -> dict[str, flo
         repaired = await rl.nc.subscribe(rl.subjects.event("worker_repaired"))
         flat = torch.ones(nbytes, dtype=torch.uint8)
         for rep in range(a.reps):
-            out["raw"] = min(out["raw"], await anyio.to_thread.run_sync(
-                lambda: raw.run(1, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()])))
+            out["raw"] = min(
+                out["raw"],
+                await anyio.to_thread.run_sync(
+                    lambda: raw.run(1, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()])
+                ),
+            )
             name = f"new-{rep}"
             fleet._spawn(name, ["worker", "--nats-url", url, "--id", name, *flags, "--seed", str(100 + rep)])
             with anyio.fail_after(600):
@@ -78,8 +82,9 @@ async def measure(url: str, a: argparse.Namespace, nbytes: int) -> dict[str, flo
         frozen = fleet.procs["worker-1"]
         frozen.send_signal(signal.SIGSTOP)
         with anyio.fail_after(120):
-            while "worker-1" in [w.worker_id for w in (await rl.server_info()).workers]:
-                await anyio.sleep(0.1)  # until the controller dropped it (liveness timeout)
+            # polls the controller until it dropped the frozen worker
+            while "worker-1" in [w.worker_id for w in (await rl.server_info()).workers]:  # noqa: ASYNC110
+                await anyio.sleep(0.1)
         await rl.push_weights([(n, t + 1) for n, t in named], "bench-repair-1", bucket_bytes=a.bucket_mb * MiB)
         frozen.send_signal(signal.SIGCONT)
         thawed = time.monotonic()
@@ -108,12 +113,16 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = config_for(a.size_mb)
     nbytes = sum(p.numel() * p.element_size() for p in TinyLM(cfg).parameters())
-    print(f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}")
+    print(
+        f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}"
+    )
     print(f"model tinylm: {nbytes / MiB:.0f} MiB; repair of one new worker from a peer, best of {a.reps}")
     with NatsServer() as server:
         b = anyio.run(measure, server.url, a, nbytes)
     print(f"\n{'raw GB/s':>9} {'repair GB/s':>12} {'repair/raw':>11} {'thaw->serving s':>16}   goal: repair/raw >= 0.5")
-    print(f"{nbytes / b['raw'] / 1e9:9.2f} {nbytes / b['repair'] / 1e9:12.2f} {b['raw'] / b['repair']:11.2f} {b['thaw']:16.2f}")
+    print(
+        f"{nbytes / b['raw'] / 1e9:9.2f} {nbytes / b['repair'] / 1e9:12.2f} {b['raw'] / b['repair']:11.2f} {b['thaw']:16.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ import uuid
 
 import msgspec
 import torch
-
 from rlbus.schemas import BucketMeta, ParamMeta, TransferInit
+
 from rlbus.transfer import (
     prepare,
     recv_buckets,
@@ -64,6 +64,7 @@ def mixed_model(total: int, count: int, seed: int) -> list[tuple[str, torch.Tens
 
 # --- worker process -----------------------------------------------------------------
 
+
 def worker_main() -> None:
     """Serve one command per stdin line; answer the finish time on stdout. The buffers of a
     command are freed (and handed back to the OS) before the next: an idle receiver holds none."""
@@ -75,7 +76,7 @@ def worker_main() -> None:
             pass
 
 
-def serve_one(cmd: dict) -> None:  # noqa: C901
+def serve_one(cmd: dict) -> None:
     init = msgspec.json.decode(cmd["init"].encode(), type=TransferInit)
     rx = worker_transfer(init.backend)
     kind = cmd["kind"]
@@ -103,8 +104,15 @@ def serve_one(cmd: dict) -> None:  # noqa: C901
                 checksum(bufs[k % 2][:n])
         elif kind == "rlbus":
             # as an in_place worker does: a bucket that is one tensor lands in it directly
-            recv_buckets(rx, params, buckets, lambda n, v: None if v.data_ptr() == dst[n].data_ptr() else dst[n].copy_(v),
-                         scratch=scratch, landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst), into=dst)
+            recv_buckets(
+                rx,
+                params,
+                buckets,
+                lambda n, v: None if v.data_ptr() == dst[n].data_ptr() else dst[n].copy_(v),
+                scratch=scratch,
+                landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst),
+                into=dst,
+            )
         else:
             for d in dst_list:
                 rx.recv(d).wait()
@@ -114,20 +122,38 @@ def serve_one(cmd: dict) -> None:  # noqa: C901
 
 # --- trainer ------------------------------------------------------------------------
 
+
 class ReceiverPool:
     def __init__(self, n: int, threads: int = 1) -> None:
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--threads", str(threads)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", "--threads", str(threads)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(n)
+        ]
 
     def run(self, r: int, backend: str, kind: str, reps: int, send, **extra) -> float:
         """Best seconds from trainer start to the last receiver's finish, over reps (after a warm-up)."""
         tx = trainer_transfer(backend)  # type: ignore[arg-type]
-        init = tx.bind(TransferInit(backend=backend, world_size=r + 1,  # type: ignore[arg-type]
-                                    group_name=f"bench-{uuid.uuid4().hex[:8]}", timeout_s=120))
+        init = tx.bind(
+            TransferInit(
+                backend=backend,
+                world_size=r + 1,  # type: ignore[arg-type]
+                group_name=f"bench-{uuid.uuid4().hex[:8]}",
+                timeout_s=120,
+            )
+        )
         for rank, p in enumerate(self.procs[:r], start=1):
             assert p.stdin is not None
-            p.stdin.write(json.dumps({"kind": kind, "init": msgspec.json.encode(init).decode(), "rank": rank,
-                                      "reps": reps + 1, **extra}) + "\n")
+            p.stdin.write(
+                json.dumps(
+                    {"kind": kind, "init": msgspec.json.encode(init).decode(), "rank": rank, "reps": reps + 1, **extra}
+                )
+                + "\n"
+            )
             p.stdin.flush()
         tx.open(init)
         best = float("inf")
@@ -147,7 +173,7 @@ class ReceiverPool:
             p.wait(30)
 
 
-def send_chunked(tx, flat: torch.Tensor, chunk: int) -> None:  # noqa: ANN001
+def send_chunked(tx, flat: torch.Tensor, chunk: int) -> None:
     """The bare protocol-free baseline of a checksummed push: ``flat`` as broadcasts of
     ``chunk`` bytes, each hashed (xxh3-128) just before it leaves, at most two in flight."""
     window = []
@@ -176,8 +202,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16, help="gloo bucket size (RLClient uses 16 MiB on gloo)")
     ap.add_argument("--shm-bucket-mb", type=int, default=128, help="shm bucket size (RLClient uses 128 MiB on shm)")
-    ap.add_argument("--only", default="", help="measure only these kinds (comma-separated): raw, rlbus, naive, "
-                    "rlbus_small, memcpy, shm, shm_pool, shm_stream")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="measure only these kinds (comma-separated): raw, rlbus, naive, "
+        "rlbus_small, memcpy, shm, shm_pool, shm_stream",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (rlbus services use 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -203,6 +233,7 @@ def main() -> None:
 
         def send(tx):
             send_stream(tx, p, named, scratch=scratch)
+
         return send
 
     def meta(p):
@@ -219,11 +250,14 @@ def main() -> None:
         for t in threads:
             t.join()
         return time.monotonic() - t0
-    shm_chunks = [flat[i:i + SHM_BUCKET] for i in range(0, size, SHM_BUCKET)]
+
+    shm_chunks = [flat[i : i + SHM_BUCKET] for i in range(0, size, SHM_BUCKET)]
 
     fleet = ReceiverPool(max(receivers), a.threads)
-    print(f"size {a.size_mb} MiB, gloo bucket {BUCKET >> 20} MiB, shm bucket {SHM_BUCKET >> 20} MiB, "
-          f"torch threads {torch.get_num_threads()}, best of {a.reps}, every kind measured in turn per rep")
+    print(
+        f"size {a.size_mb} MiB, gloo bucket {BUCKET >> 20} MiB, shm bucket {SHM_BUCKET >> 20} MiB, "
+        f"torch threads {torch.get_num_threads()}, best of {a.reps}, every kind measured in turn per rep"
+    )
     try:
         for r in receivers:
             pooled: dict[str, object] = {"tx": None, "views": [], "scratch": []}
@@ -232,7 +266,7 @@ def main() -> None:
                 if pooled["tx"] is not tx:  # a new group each run: its own pool (untimed warm-up rep)
                     pool = tx.alloc(size)
                     pool.copy_(flat)
-                    pooled.update(tx=tx, views=[pool[i:i + SHM_BUCKET] for i in range(0, size, SHM_BUCKET)])
+                    pooled.update(tx=tx, views=[pool[i : i + SHM_BUCKET] for i in range(0, size, SHM_BUCKET)])
                 send_all(tx, pooled["views"])
 
             def shm_stream(tx):  # what RLClient does on shm: pack and hash into shared scratch
@@ -245,12 +279,19 @@ def main() -> None:
             kinds = {
                 "raw": lambda: fleet.run(r, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[size]),
                 "rlbus": lambda: fleet.run(r, "gloo", "rlbus", 1, stream(p_big, big), **meta(p_big)),
-                "naive": lambda: fleet.run(r, "gloo", "naive", 1, lambda tx: [tx.send(as_bytes(t)).wait() for _, t in small],
-                                           sizes=[t.numel() * t.element_size() for _, t in small]),
+                "naive": lambda: fleet.run(
+                    r,
+                    "gloo",
+                    "naive",
+                    1,
+                    lambda tx: [tx.send(as_bytes(t)).wait() for _, t in small],
+                    sizes=[t.numel() * t.element_size() for _, t in small],
+                ),
                 "rlbus_small": lambda: fleet.run(r, "gloo", "rlbus", 1, stream(p_small, small), **meta(p_small)),
                 "memcpy": lambda: min(memcpy_into_each(r) for _ in range(2)),
-                "shm": lambda: fleet.run(r, "shm", "shm", 1, lambda tx: send_all(tx, shm_chunks),
-                                         sizes=[c.numel() for c in shm_chunks]),
+                "shm": lambda: fleet.run(
+                    r, "shm", "shm", 1, lambda tx: send_all(tx, shm_chunks), sizes=[c.numel() for c in shm_chunks]
+                ),
                 "shm_pool": lambda: fleet.run(r, "shm", "shm", 1, from_pool, sizes=[c.numel() for c in shm_chunks]),
                 "shm_stream": lambda: fleet.run(r, "shm", "rlbus", 1, shm_stream, **meta(p_shm)),
             }
@@ -263,20 +304,50 @@ def main() -> None:
             b = best
             lines = [
                 (["raw"], lambda: f"raw gloo broadcast   {gbps(size, b['raw']):6.2f} GB/s"),
-                (["raw", "rlbus"], lambda: f"rlbus gloo (200 t)   {gbps(big_bytes, b['rlbus']):6.2f} GB/s   "
-                                           f"rlbus/raw   = {b['raw'] / b['rlbus'] * big_bytes / size:.2f}"),
+                (
+                    ["raw", "rlbus"],
+                    lambda: (
+                        f"rlbus gloo (200 t)   {gbps(big_bytes, b['rlbus']):6.2f} GB/s   "
+                        f"rlbus/raw   = {b['raw'] / b['rlbus'] * big_bytes / size:.2f}"
+                    ),
+                ),
                 (["naive"], lambda: f"naive gloo (1000 t)  {gbps(small_bytes, b['naive']):6.2f} GB/s"),
-                (["naive", "rlbus_small"], lambda: f"rlbus gloo (1000 t)  {gbps(small_bytes, b['rlbus_small']):6.2f} GB/s   "
-                                                   f"rlbus/naive = {b['naive'] / b['rlbus_small']:.2f}"),
-                (["memcpy"], lambda: f"memcpy into each     {gbps(size, b['memcpy']):6.2f} GB/s   "
-                                     f"(S bytes into each of {r} buffers, {r} threads)"),
-                (["memcpy", "shm"], lambda: f"shm (slots)          {gbps(size, b['shm']):6.2f} GB/s   "
-                                            f"shm/memcpy  = {b['memcpy'] / b['shm']:.2f}"),
-                (["memcpy", "shm_pool"], lambda: f"shm (shared pool)    {gbps(size, b['shm_pool']):6.2f} GB/s   "
-                                                 f"shm/memcpy  = {b['memcpy'] / b['shm_pool']:.2f}"),
-                (["memcpy", "shm_stream"], lambda: f"rlbus shm (200 t)    {gbps(big_bytes, b['shm_stream']):6.2f} GB/s   "
-                                                   f"rlbus/memcpy = {b['memcpy'] / b['shm_stream'] * big_bytes / size:.2f}"
-                                                   "   (packs and hashes on the trainer too)"),
+                (
+                    ["naive", "rlbus_small"],
+                    lambda: (
+                        f"rlbus gloo (1000 t)  {gbps(small_bytes, b['rlbus_small']):6.2f} GB/s   "
+                        f"rlbus/naive = {b['naive'] / b['rlbus_small']:.2f}"
+                    ),
+                ),
+                (
+                    ["memcpy"],
+                    lambda: (
+                        f"memcpy into each     {gbps(size, b['memcpy']):6.2f} GB/s   "
+                        f"(S bytes into each of {r} buffers, {r} threads)"
+                    ),
+                ),
+                (
+                    ["memcpy", "shm"],
+                    lambda: (
+                        f"shm (slots)          {gbps(size, b['shm']):6.2f} GB/s   "
+                        f"shm/memcpy  = {b['memcpy'] / b['shm']:.2f}"
+                    ),
+                ),
+                (
+                    ["memcpy", "shm_pool"],
+                    lambda: (
+                        f"shm (shared pool)    {gbps(size, b['shm_pool']):6.2f} GB/s   "
+                        f"shm/memcpy  = {b['memcpy'] / b['shm_pool']:.2f}"
+                    ),
+                ),
+                (
+                    ["memcpy", "shm_stream"],
+                    lambda: (
+                        f"rlbus shm (200 t)    {gbps(big_bytes, b['shm_stream']):6.2f} GB/s   "
+                        f"rlbus/memcpy = {b['memcpy'] / b['shm_stream'] * big_bytes / size:.2f}"
+                        "   (packs and hashes on the trainer too)"
+                    ),
+                ),
             ]
             print(f"\nreceivers={r}")
             for needs, line in lines:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-
 from rlbus.schemas import GenerateReply, GenerateRequest, UpdateTarget
 from rlbus.services.worker.engine import Engine, ParamSpec
 
@@ -26,8 +25,9 @@ class WeightlessEngine(Engine):
 
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         label = self.book.main
-        return GenerateReply(worker_id="", tokens=[], finish_reason="length", weight_version=label.version,
-                             weight_seq=label.seq)
+        return GenerateReply(
+            worker_id="", tokens=[], finish_reason="length", weight_version=label.version, weight_seq=label.seq
+        )
 
     def param_specs(self, target: UpdateTarget) -> Mapping[str, ParamSpec]:
         return {}
@@ -36,8 +36,12 @@ class WeightlessEngine(Engine):
         return {}
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
-        *, loaded: Callable[[], None] = lambda: None,
+        self,
+        target: UpdateTarget,
+        tensors: Mapping[str, torch.Tensor],
+        written: set[str] | None = None,
+        *,
+        loaded: Callable[[], None] = lambda: None,
     ) -> None:
         loaded()
 
@@ -62,8 +66,12 @@ class TensorEngine(WeightlessEngine):
         return self._params
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
-        *, loaded: Callable[[], None] = lambda: None,
+        self,
+        target: UpdateTarget,
+        tensors: Mapping[str, torch.Tensor],
+        written: set[str] | None = None,
+        *,
+        loaded: Callable[[], None] = lambda: None,
     ) -> None:
         for name, t in tensors.items():
             self._params[name].copy_(t)

@@ -1,7 +1,6 @@
 """rlbus.schemas — the wire contract and the typed errors. Pure msgspec: imports neither torch nor nats."""
 
 from .base import Message, op_of, ops_of
-from .codes import ERROR_CODES, MAX_COMMAND_BYTES, UNDECODABLE_STATUS, ErrorCode
 from .codec import (
     DecodeError,
     ValidationError,
@@ -12,6 +11,7 @@ from .codec import (
     reply_decoder,
     version_decoder,
 )
+from .codes import ERROR_CODES, MAX_COMMAND_BYTES, UNDECODABLE_STATUS, ErrorCode
 from .control_commands import (
     AbortWeightUpdate,
     AnyControlCommand,
@@ -48,8 +48,18 @@ from .errors import (
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
 from .generate import FinishReason, GenerateReply, GenerateRequest
 from .replies import (
-    AnyReply, CommitDecision, FleetAck, Nack, PushLease, RepairOffer, ServerInfo, VersionInfo, WeightCheck, WorkerAck,
-    WorkerFailure, WorkerWeights,
+    AnyReply,
+    CommitDecision,
+    FleetAck,
+    Nack,
+    PushLease,
+    RepairOffer,
+    ServerInfo,
+    VersionInfo,
+    WeightCheck,
+    WorkerAck,
+    WorkerFailure,
+    WorkerWeights,
 )
 from .state import (
     DEFAULT_VERSION,
@@ -82,20 +92,20 @@ from .worker_commands import (
     AbortWeightUpdateWorker,
     AnyWorkerCommand,
     CommitWorker,
-    StatusWorker,
     HashWeightsWorker,
     InitWeightTransferWorker,
     LeaveWeightTransferWorker,
     OfferWeightsWorker,
-    SendWeightsWorker,
-    StartWeightUpdateWorker,
     PauseWorker,
     PrepareWorker,
-    UpdateWeightsWorker,
     ResumeWorker,
-    UpdateWeightVersionWorker,
+    SendWeightsWorker,
     SleepWorker,
+    StartWeightUpdateWorker,
+    StatusWorker,
     SyncWorker,
+    UpdateWeightsWorker,
+    UpdateWeightVersionWorker,
     WakeUpWorker,
     WorkerCommand,
 )

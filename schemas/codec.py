@@ -9,7 +9,6 @@ from typing import Union
 import msgspec
 
 from .base import op_of
-
 from .events import AnyEvent
 from .generate import GenerateReply, GenerateRequest
 from .replies import AnyReply, Nack, VersionInfo

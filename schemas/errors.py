@@ -66,7 +66,16 @@ class BadRequest(RLBusError):
 
 _BY_CODE: dict[str, type[RLBusError]] = {
     cls.code: cls
-    for cls in (FailedPrecondition, InvalidArgument, DeadlineExceeded, Unavailable, Aborted, Internal, PermissionDenied, BadRequest)
+    for cls in (
+        FailedPrecondition,
+        InvalidArgument,
+        DeadlineExceeded,
+        Unavailable,
+        Aborted,
+        Internal,
+        PermissionDenied,
+        BadRequest,
+    )
 }
 
 

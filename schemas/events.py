@@ -8,10 +8,24 @@ from .base import Message
 from .state import Capabilities, WorkerState
 
 EventKind = Literal[
-    "paused", "resumed", "sleeping", "awake", "worker_joined", "worker_left", "worker_stale",
-    "session_started", "session_aborted", "session_committed", "progress", "worker_reconciled", "state_lost",
-    "worker_repaired", "repair_failed", "repair_waiting",
-    "worker_quarantined", "worker_released",
+    "paused",
+    "resumed",
+    "sleeping",
+    "awake",
+    "worker_joined",
+    "worker_left",
+    "worker_stale",
+    "session_started",
+    "session_aborted",
+    "session_committed",
+    "progress",
+    "worker_reconciled",
+    "state_lost",
+    "worker_repaired",
+    "repair_failed",
+    "repair_waiting",
+    "worker_quarantined",
+    "worker_released",
 ]
 
 

@@ -8,9 +8,7 @@ import msgspec
 
 from .state import Backend
 
-DType = Literal[
-    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
-]
+DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
 Encoding = Literal["dense", "delta"]
 """How a tensor's bytes travel: all of them, or only the elements whose bits changed."""
 DeltaIndex = Literal["int32", "bitmap"]

@@ -21,7 +21,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Group
-
 from rlbus.schemas import (
     MAX_COMMAND_BYTES,
     UNDECODABLE_STATUS,
@@ -47,14 +46,14 @@ REPLY_MARGIN_S = 0.2
 """A command with a deadline is answered this long before it, so the answer reaches the caller."""
 
 
-
 class Route(Generic[C]):
     """One command type's handler. inline=True (or a predicate of the command) answers inside
     the NATS callback: only for handlers that will not wait (no lock, no I/O beyond their
     reply), where a task would cost more than the work."""
 
-    def __init__(self, kind: type[C], handler: Callable[[C], Awaitable[object]], inline: bool | Callable[[C], bool],
-                 read: bool) -> None:
+    def __init__(
+        self, kind: type[C], handler: Callable[[C], Awaitable[object]], inline: bool | Callable[[C], bool], read: bool
+    ) -> None:
         self.kind = kind
         self.op = op_of(kind)
         self.handler = handler
@@ -75,8 +74,14 @@ class Routes:
     def __init__(self) -> None:
         self._by_op: dict[str, Route[Any]] = {}
 
-    def add(self, kind: type[C], handler: Callable[[C], Awaitable[object]], *, inline: bool | Callable[[C], bool] = False,
-            read: bool = False) -> None:
+    def add(
+        self,
+        kind: type[C],
+        handler: Callable[[C], Awaitable[object]],
+        *,
+        inline: bool | Callable[[C], bool] = False,
+        read: bool = False,
+    ) -> None:
         route = Route(kind, handler, inline, read)
         if route.op in self._by_op:
             raise ValueError(f"{route.op} is routed twice")
@@ -100,7 +105,9 @@ class Routes:
         it allows."""
         route = self._by_op[op]
         if len(data) > MAX_COMMAND_BYTES:
-            raise DecodeError(f"a {op} payload of {len(data)} bytes is over the limit of {MAX_COMMAND_BYTES} bytes (8 MiB)")
+            raise DecodeError(
+                f"a {op} payload of {len(data)} bytes is over the limit of {MAX_COMMAND_BYTES} bytes (8 MiB)"
+            )
         try:
             return route.decoder.decode(data or b"{}")
         except ValidationError as e:
@@ -162,7 +169,9 @@ class ReplyCache:
                 "a retry must resend the same command, a new command needs a new id"
             )
 
-    async def run(self, command_id: str, print_: str, work: Callable[[], Awaitable[bytes]], *, durable: bool = False) -> bytes:
+    async def run(
+        self, command_id: str, print_: str, work: Callable[[], Awaitable[bytes]], *, durable: bool = False
+    ) -> bytes:
         """The answer of `work`, run once per command id. `durable`: also keep it in the
         durable store (state-changing commands)."""
         if not command_id:
@@ -179,14 +188,20 @@ class ReplyCache:
         self._running[command_id] = (print_, ev)
         try:
             store = self.durable if durable else None
-            stored = await store.get(command_id) if store is not None else None
+            stored = await store.get(command_id) if store is not None else None  # type: ignore[assignment]
             if stored is not None:
                 self._check(command_id, print_, stored.fingerprint)
                 if not stored.answered:
-                    stored = StoredReply(print_, encode(Aborted(
-                        f"command {command_id!r} ({print_.split(':')[0]}) was running when the process serving it "
-                        "stopped, before it answered; it is not run twice: read the state (server_info, "
-                        "get_weight_version) to see what it did").to_nack()))
+                    stored = StoredReply(
+                        print_,
+                        encode(
+                            Aborted(
+                                f"command {command_id!r} ({print_.split(':')[0]}) was running when the process serving it "
+                                "stopped, before it answered; it is not run twice: read the state (server_info, "
+                                "get_weight_version) to see what it did"
+                            ).to_nack()
+                        ),
+                    )
             else:
                 if store is not None:  # kept before it runs: a retry after a crash mid-run is not run again
                     await store.put(command_id, StoredReply(print_, b"", answered=False))
@@ -224,11 +239,20 @@ class Endpoints:
         """One micro endpoint per route in `group`; `wrap` may put a check (fencing) around each handler."""
         for route in routes:
             reply = getattr(route.kind, "reply", WorkerAck)  # control commands declare theirs
-            await group.add_endpoint(name=route.op, subject=route.op, handler=self._endpoint(routes, route, wrap),
-                                     metadata={"request": route.op, "reply": reply.__struct_config__.tag,
-                                               "schemas": "rlbus schema --out DIR; docs/protocol.md"})
+            await group.add_endpoint(
+                name=route.op,
+                subject=route.op,
+                handler=self._endpoint(routes, route, wrap),
+                metadata={
+                    "request": route.op,
+                    "reply": reply.__struct_config__.tag,
+                    "schemas": "rlbus schema --out DIR; docs/protocol.md",
+                },
+            )
 
-    def _endpoint(self, routes: Routes, route: Route[Any], wrap: Callable[[Handler], Handler] | None) -> Callable[[Request], Awaitable[None]]:
+    def _endpoint(
+        self, routes: Routes, route: Route[Any], wrap: Callable[[Handler], Handler] | None
+    ) -> Callable[[Request], Awaitable[None]]:
         """Decodes, runs the handler (inline, or as a task the service owns) and replies."""
         handler = wrap(route.handler) if wrap is not None else route.handler
         op = route.op
@@ -259,10 +283,14 @@ class Endpoints:
         async def on_message(msg: Msg) -> None:
             op = msg.subject.rsplit(".", 1)[-1]
             if op not in known and msg.reply:
-                await nc.publish(msg.reply, b"", headers={
-                    "Nats-Service-Error": f"unknown operation {op!r}; operations: {sorted(known)}",
-                    "Nats-Service-Error-Code": UNDECODABLE_STATUS,
-                })
+                await nc.publish(
+                    msg.reply,
+                    b"",
+                    headers={
+                        "Nats-Service-Error": f"unknown operation {op!r}; operations: {sorted(known)}",
+                        "Nats-Service-Error-Code": UNDECODABLE_STATUS,
+                    },
+                )
 
         return on_message
 
@@ -281,8 +309,11 @@ class Endpoints:
                 with anyio.fail_after(max(0.0, budget - REPLY_MARGIN_S)):
                     return encode(await handler(cmd))
             except TimeoutError:
-                return encode(DeadlineExceeded(
-                    f"{route.op} did not finish within the caller's {budget:g}s; what it started was undone").to_nack())
+                return encode(
+                    DeadlineExceeded(
+                        f"{route.op} did not finish within the caller's {budget:g}s; what it started was undone"
+                    ).to_nack()
+                )
             except RLBusError as e:
                 return encode(e.to_nack())
             except Exception as e:  # a bug: answer INTERNAL rather than leave the caller hanging

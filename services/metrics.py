@@ -18,7 +18,6 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
 from rlbus.schemas import FleetEvent, VersionInfo, WorkerState
 
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -56,36 +55,56 @@ class ControllerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.command_seconds = Histogram(
-            "rlbus_control_command_duration_seconds", "Time to answer one trainer command (all workers answered).",
-            ["op", "outcome"], registry=r, buckets=DURATION_BUCKETS,
+            "rlbus_control_command_duration_seconds",
+            "Time to answer one trainer command (all workers answered).",
+            ["op", "outcome"],
+            registry=r,
+            buckets=DURATION_BUCKETS,
         )
         self.push_seconds = Histogram(
-            "rlbus_push_duration_seconds", "An update session from start_weight_update to its commit or abort.",
-            ["target", "outcome"], registry=r, buckets=DURATION_BUCKETS,
+            "rlbus_push_duration_seconds",
+            "An update session from start_weight_update to its commit or abort.",
+            ["target", "outcome"],
+            registry=r,
+            buckets=DURATION_BUCKETS,
         )
         self.bytes_sent = Counter(
-            "rlbus_weight_bytes_sent_total", "Weight bytes announced by update_weights (what the trainer sends).",
-            ["encoding"], registry=r,
+            "rlbus_weight_bytes_sent_total",
+            "Weight bytes announced by update_weights (what the trainer sends).",
+            ["encoding"],
+            registry=r,
         )
         self.elements_changed = Counter(
-            "rlbus_weight_delta_elements_total", "Elements sent in delta-encoded tensors.", registry=r,
+            "rlbus_weight_delta_elements_total",
+            "Elements sent in delta-encoded tensors.",
+            registry=r,
         )
         self.tensors_sent = Counter(
-            "rlbus_weight_tensors_sent_total", "Tensors announced by update_weights.", ["encoding"], registry=r,
+            "rlbus_weight_tensors_sent_total",
+            "Tensors announced by update_weights.",
+            ["encoding"],
+            registry=r,
         )
         self.commits = Counter("rlbus_commits_total", "Committed update sessions.", ["target"], registry=r)
         self.aborts = Counter("rlbus_session_aborts_total", "Update sessions that ended without a commit.", registry=r)
         self.ack_seconds = Histogram(
-            "rlbus_worker_ack_duration_seconds", "Time from sending a command to one worker to its answer.",
-            ["op", "worker"], registry=r, buckets=DURATION_BUCKETS,
+            "rlbus_worker_ack_duration_seconds",
+            "Time from sending a command to one worker to its answer.",
+            ["op", "worker"],
+            registry=r,
+            buckets=DURATION_BUCKETS,
         )
         self.slowest = Gauge(
-            "rlbus_fanout_slowest_ack_seconds", "The slowest worker's answer time in the last fan-out of each op "
-            "(the label names that worker).", ["op", "worker"], registry=r,
+            "rlbus_fanout_slowest_ack_seconds",
+            "The slowest worker's answer time in the last fan-out of each op (the label names that worker).",
+            ["op", "worker"],
+            registry=r,
         )
         self.worker_failures = Counter(
-            "rlbus_worker_command_failures_total", "Commands a worker refused or did not answer.",
-            ["op", "worker", "code"], registry=r,
+            "rlbus_worker_command_failures_total",
+            "Commands a worker refused or did not answer.",
+            ["op", "worker", "code"],
+            registry=r,
         )
         self._slowest_of: dict[str, str] = {}
         self._started: dict[str, tuple[float, str]] = {}
@@ -169,20 +188,27 @@ class _ControllerState(Collector):
 
 def _worker_families(states: list[WorkerState], v: VersionInfo | None) -> Iterator[Metric]:
     """Per-worker gauges, shared by the controller (every worker) and a worker (itself)."""
-    held = GaugeMetricFamily("rlbus_worker_weight_seq", "Commit sequence of the weights a worker holds.",
-                             labels=["worker", "target"])
-    behind = GaugeMetricFamily("rlbus_worker_behind_seqs", "Commits a worker is behind the committed seq.",
-                               labels=["worker"])
-    withheld = GaugeMetricFamily("rlbus_worker_withheld", "1 while a worker takes no generation traffic.",
-                                 labels=["worker"])
-    quarantined = GaugeMetricFamily("rlbus_worker_quarantined", "1 while a worker missed a decided commit.",
-                                    labels=["worker"])
-    proposed = CounterMetricFamily("rlbus_draft_tokens_proposed", "Draft tokens proposed (speculative decoding).",
-                                   labels=["worker"])
-    accepted = CounterMetricFamily("rlbus_draft_tokens_accepted", "Draft tokens the verifier accepted.",
-                                   labels=["worker"])
-    ratio = GaugeMetricFamily("rlbus_draft_acceptance_ratio", "Accepted / proposed draft tokens since start.",
-                              labels=["worker"])
+    held = GaugeMetricFamily(
+        "rlbus_worker_weight_seq", "Commit sequence of the weights a worker holds.", labels=["worker", "target"]
+    )
+    behind = GaugeMetricFamily(
+        "rlbus_worker_behind_seqs", "Commits a worker is behind the committed seq.", labels=["worker"]
+    )
+    withheld = GaugeMetricFamily(
+        "rlbus_worker_withheld", "1 while a worker takes no generation traffic.", labels=["worker"]
+    )
+    quarantined = GaugeMetricFamily(
+        "rlbus_worker_quarantined", "1 while a worker missed a decided commit.", labels=["worker"]
+    )
+    proposed = CounterMetricFamily(
+        "rlbus_draft_tokens_proposed", "Draft tokens proposed (speculative decoding).", labels=["worker"]
+    )
+    accepted = CounterMetricFamily(
+        "rlbus_draft_tokens_accepted", "Draft tokens the verifier accepted.", labels=["worker"]
+    )
+    ratio = GaugeMetricFamily(
+        "rlbus_draft_acceptance_ratio", "Accepted / proposed draft tokens since start.", labels=["worker"]
+    )
     counts = GaugeMetricFamily("rlbus_workers", "Workers by state.", labels=["state"])
     n_withheld = n_quarantined = 0
     for s in states:

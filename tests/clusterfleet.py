@@ -8,21 +8,27 @@ from contextlib import asynccontextmanager
 
 import msgspec
 import nats
-
-from rlbus.runners.local import LocalFleet
-from rlbus.runners.natsserver import NatsCluster
 from rlbus.schemas import Subjects, VersionInfo
-from rlbus.sdk.client import RLClient
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+from rlbus.runners.local import LocalFleet
+from rlbus.runners.natsserver import NatsCluster
+from rlbus.sdk.client import RLClient
 from tests.weights_helpers import MODEL
 
 
 @asynccontextmanager
 async def cluster_fleet(
-    cluster: NatsCluster, prefix: str, workers: Sequence[str], backend: str, *, trainer_timeout: float,
-    trainer_on_controllers_node: bool = False, **controller_kw: float,
+    cluster: NatsCluster,
+    prefix: str,
+    workers: Sequence[str],
+    backend: str,
+    *,
+    trainer_timeout: float,
+    trainer_on_controllers_node: bool = False,
+    **controller_kw: float,
 ) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
     """A controller (ControllerOptions(**controller_kw)) and `workers` serving MODEL over
     `backend`, all given every node's URL, and a trainer's client: given every node too, or
@@ -33,8 +39,10 @@ async def cluster_fleet(
     try:
         await f.start_controller(ControllerOptions(subjects=subjects, **controller_kw))  # type: ignore[arg-type]
         for wid in workers:
-            await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
-                                                                       weight_transfer_backend=backend))
+            await f.start_worker(
+                ReferenceEngine(MODEL),
+                WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend=backend),
+            )
         await f.wait_for_workers(workers)
         assert f.controller is not None
         url = f"nats://127.0.0.1:{f.controller.nc.connected_url.port}" if trainer_on_controllers_node else cluster.url
@@ -55,11 +63,11 @@ class Published:
         self.url, self.subject, self.kind, self.connect_kw = url, subject, kind, connect_kw
         self.seen: list = []
 
-    async def __aenter__(self) -> "Published":
+    async def __aenter__(self) -> Published:
         decoder = msgspec.json.Decoder(self.kind)
         self.nc = await nats.connect(self.url, **self.connect_kw)  # type: ignore[arg-type]
 
-        async def on(msg) -> None:  # noqa: ANN001
+        async def on(msg) -> None:
             self.seen.append(decoder.decode(msg.data))
 
         await self.nc.subscribe(self.subject, cb=on)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 
-from rlbus.sdk.client import RLClient
-from rlbus.runners.local import LocalFleet
 from rlbus.schemas import Subjects
 from rlbus.services.controller.service import ControllerOptions
-from rlbus.models.tinylm import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+from rlbus.models.tinylm import ModelConfig
+from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 
 SMALL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=128, seed=0)
 LONG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=0)
@@ -52,7 +52,9 @@ async def start_fleet(
 
 
 @asynccontextmanager
-async def fleet_running(url: str, prefix: str, *args: object, **kw: object) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
+async def fleet_running(
+    url: str, prefix: str, *args: object, **kw: object
+) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
     """start_fleet(...) for the body of an `async with` (a module fixture's yield); the client
     and every service are closed after it, whatever happened."""
     fleet, rl = await start_fleet(url, prefix, *args, **kw)  # type: ignore[arg-type]
@@ -63,13 +65,38 @@ async def fleet_running(url: str, prefix: str, *args: object, **kw: object) -> A
         await fleet.close()
 
 
-def worker_command(url: str, prefix: str, worker_id: str, backend: str, model: ModelConfig = SMALL,
-                   heartbeat: float = 0.2) -> list[str]:
+def worker_command(
+    url: str, prefix: str, worker_id: str, backend: str, model: ModelConfig = SMALL, heartbeat: float = 0.2
+) -> list[str]:
     """`rlbus worker` as a real process, hosting the reference engine with `model`'s shape."""
-    return [sys.executable, "-m", "rlbus", "worker", "--nats-url", url, "--prefix", prefix, "--id", worker_id,
-            "--weight-transfer-backend", backend, "--heartbeat", str(heartbeat),
-            "--vocab-size", str(model.vocab_size), "--d-model", str(model.d_model), "--n-layers", str(model.n_layers),
-            "--n-heads", str(model.n_heads), "--max-seq-len", str(model.max_seq_len), "--seed", str(model.seed)]
+    return [
+        sys.executable,
+        "-m",
+        "rlbus",
+        "worker",
+        "--nats-url",
+        url,
+        "--prefix",
+        prefix,
+        "--id",
+        worker_id,
+        "--weight-transfer-backend",
+        backend,
+        "--heartbeat",
+        str(heartbeat),
+        "--vocab-size",
+        str(model.vocab_size),
+        "--d-model",
+        str(model.d_model),
+        "--n-layers",
+        str(model.n_layers),
+        "--n-heads",
+        str(model.n_heads),
+        "--max-seq-len",
+        str(model.max_seq_len),
+        "--seed",
+        str(model.seed),
+    ]
 
 
 @contextmanager
@@ -79,8 +106,11 @@ def nccl_worker(url: str, prefix: str, worker_id: str, model: ModelConfig, *flag
     import torch
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(torch.cuda.device_count() - 1), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([*worker_command(url, prefix, worker_id, "nccl", model, heartbeat=0.25), *flags], env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*worker_command(url, prefix, worker_id, "nccl", model, heartbeat=0.25), *flags],
+        env=env,
+        start_new_session=True,
+    )
     try:
         yield proc
     finally:

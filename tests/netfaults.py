@@ -20,7 +20,7 @@ class Blackhole:
         """(pattern, act): the first bytes from the server that contain `pattern` run `act`
         before they are passed on (a signal to the client the moment a command reaches it)."""
 
-    async def __aenter__(self) -> Blackhole:  # noqa: PYI034
+    async def __aenter__(self) -> Blackhole:
         self._server = await asyncio.start_server(self._on_client, "127.0.0.1", 0)
         self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
         return self

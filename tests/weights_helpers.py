@@ -15,13 +15,13 @@ import anyio
 import msgspec
 import pytest
 import torch
+from rlbus.schemas import FleetAck, UpdateWeights, VersionInfo
+from rlbus.services.worker.reference_engine import ReferenceEngine
 
 import rlbus
-from rlbus.sdk.client import RLClient
-from rlbus.runners.local import LocalFleet
-from rlbus.schemas import FleetAck, UpdateWeights, VersionInfo
 from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
-from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 from rlbus.transfer.stream import pack_all, prepare, send_all
 from tests.fleet import PROMPTS, SMALL
 from tests.waiting import eventually
@@ -49,7 +49,9 @@ def engine_snapshot(engine: ReferenceEngine) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 
 
-def assert_engine_holds(engine: ReferenceEngine, expected: Named | dict[str, torch.Tensor], who: str = "engine") -> None:
+def assert_engine_holds(
+    engine: ReferenceEngine, expected: Named | dict[str, torch.Tensor], who: str = "engine"
+) -> None:
     """The engine's parameters are bit-identical to `expected` (same names, dtypes, shapes, bytes)."""
     want = dict(expected)
     have = dict(engine.model.named_parameters())
@@ -69,8 +71,12 @@ def assert_holds(fleet: LocalFleet, worker_id: str, expected: Named | dict[str, 
 
 
 @torch.inference_mode()
-def greedy(named: Named | dict[str, torch.Tensor], prompts: Sequence[Sequence[int]] = PROMPTS,
-           max_tokens: int = MAX_TOKENS, cfg: ModelConfig = MODEL) -> list[list[int]]:
+def greedy(
+    named: Named | dict[str, torch.Tensor],
+    prompts: Sequence[Sequence[int]] = PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+    cfg: ModelConfig = MODEL,
+) -> list[list[int]]:
     """Greedy decode with a local TinyLM holding `named`, stepping like the reference engine
     (prefill the prompt, then one token at a time through the KV cache)."""
     model = TinyLM(cfg).eval()
@@ -91,14 +97,14 @@ def greedy(named: Named | dict[str, torch.Tensor], prompts: Sequence[Sequence[in
     return out
 
 
-async def generate_all(rl: RLClient, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = MAX_TOKENS):  # noqa: ANN201
+async def generate_all(rl: RLClient, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = MAX_TOKENS):
     """One greedy generation per prompt; every reply ran to its length."""
     replies = await asyncio.gather(*(rl.generate(p, max_tokens) for p in prompts))
     assert all(r.finish_reason == "length" for r in replies)
     return replies
 
 
-def tokens_of(replies) -> list[list[int]]:  # noqa: ANN001
+def tokens_of(replies) -> list[list[int]]:
     return [r.tokens for r in replies]
 
 
@@ -112,7 +118,7 @@ async def settle(rl: RLClient) -> None:
 
 
 @pytest.fixture(autouse=True)
-async def settled(request):  # noqa: ANN001, ANN201
+async def settled(request):
     """Every test leaves the module's fleet with no session, awake and resumed (a module that
     imports this autouse fixture gets it around each of its tests)."""
     yield
@@ -129,10 +135,10 @@ class VersionEvents:
         self.seen: list[VersionInfo] = []
         self._sub = None
 
-    async def __aenter__(self) -> "VersionEvents":
+    async def __aenter__(self) -> VersionEvents:
         decoder = msgspec.json.Decoder(VersionInfo)
 
-        async def on(msg) -> None:  # noqa: ANN001
+        async def on(msg) -> None:
             self.seen.append(decoder.decode(msg.data))
 
         self._sub = await self.rl.nc.subscribe(self.rl.subjects.version, cb=on)
@@ -260,8 +266,8 @@ async def check_corrupted_bytes_abort_the_finish(fleet: LocalFleet, rl: RLClient
     """A bucket whose bytes do not match its checksum: finish is ABORTED naming every worker,
     nothing changes, nothing is published, and the next push succeeds."""
     old = {w: snapshot(fleet, w) for w in fleet.workers}
-    old_version = (await rl.server_info()).weight_version
     before = tokens_of(await generate_all(rl))
+    old_version = (await rl.server_info()).weight_version
     named = trained(seed)
     if not rl.transfer_ready:
         await rl.init_weight_transfer(timeout_s=10)
@@ -297,7 +303,6 @@ async def check_shape_mismatch_is_refused_before_bytes_move(fleet: LocalFleet, r
     """One tensor of the wrong shape: INVALID_ARGUMENT naming it; nothing changes; the open
     session still takes a correct update; push_weights with the bad tensor leaves no session."""
     old = {w: snapshot(fleet, w) for w in fleet.workers}
-    old_version = (await rl.server_info()).weight_version
     named = trained(seed)
     victim = "blocks.1.fc1.weight"
     bad = [(n, torch.zeros(t.shape[0] + 1, *t.shape[1:]) if n == victim else t) for n, t in named]

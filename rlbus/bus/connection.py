@@ -56,7 +56,7 @@ class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
     nats-config` writes it). None = nats-py's `_INBOX`."""
 
     @classmethod
-    def from_env(cls, **given: str | None) -> "NatsAuth":
+    def from_env(cls, **given: str | None) -> NatsAuth:
         """Explicit values win; missing ones come from RLBUS_NATS_<FIELD>."""
         values = {f: given.get(f) or os.environ.get(f"RLBUS_NATS_{f.upper()}") or None for f in cls.__struct_fields__}
         return cls(**values)
@@ -102,7 +102,7 @@ class Denials:
     def denied(self, subject: str) -> bool:
         return any(s == subject.lower() for _, s in self.seen)
 
-    def watch(self, subject: str) -> "_Watch":
+    def watch(self, subject: str) -> _Watch:
         return _Watch(self, subject)
 
 
@@ -171,14 +171,29 @@ async def connect(
 
     async def on_reconnect() -> None:
         gone = time.monotonic() - down[0] if down else 0.0
-        log.log(logging.WARNING if gone > QUIET_RECONNECT_S else logging.DEBUG,
-                "%s: reconnected to NATS after %.1fs", name, gone)
+        log.log(
+            logging.WARNING if gone > QUIET_RECONNECT_S else logging.DEBUG,
+            "%s: reconnected to NATS after %.1fs",
+            name,
+            gone,
+        )
 
     result: list[Client] = []
 
     async def attempt() -> None:
-        result.append(await _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect,
-                                     inbox_prefix))
+        result.append(
+            await _connect(
+                url,
+                name,
+                ping_interval,
+                max_outstanding_pings,
+                auth,
+                on_error,
+                on_disconnect,
+                on_reconnect,
+                inbox_prefix,
+            )
+        )
         tg.cancel_scope.cancel()
 
     async def watch_refusal() -> None:
@@ -198,8 +213,9 @@ async def connect(
     return nc
 
 
-async def _connect(url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect,  # noqa: ANN001
-                   inbox_prefix) -> Client:  # noqa: ANN001
+async def _connect(
+    url, name, ping_interval, max_outstanding_pings, auth, on_error, on_disconnect, on_reconnect, inbox_prefix
+) -> Client:
     inbox_prefix = inbox_prefix or auth.inbox
     extra = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     return await nats.connect(
@@ -251,7 +267,7 @@ async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> M
             async def ask() -> None:
                 try:
                     outcome.append(await nc.request(subject, payload, timeout=timeout))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     outcome.append(e)
                 tg.cancel_scope.cancel()
 
@@ -262,7 +278,9 @@ async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> M
             tg.start_soon(ask)
             tg.start_soon(refused)
     if denied.is_set():
-        raise PermissionDenied(f"the NATS server denies this identity publishing to {subject}; check its credentials and role")
+        raise PermissionDenied(
+            f"the NATS server denies this identity publishing to {subject}; check its credentials and role"
+        )
     if isinstance(outcome[0], Exception):
         inbox = _inbox_denied(nc)
         if inbox:  # the replies could never arrive: say why instead of timing out
@@ -277,6 +295,8 @@ def _inbox_denied(nc: Client) -> str | None:
     prefix = bytes(raw).decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
     for action, s in denials_of(nc).seen:
         if action == "subscription" and s.startswith(prefix.lower()):
-            return (f"the NATS server denies this identity its reply inbox {prefix}.>; set RLBUS_NATS_INBOX "
-                    "(NatsAuth.inbox) to the prefix its config allows (`rlbus nats-config` writes it in the env file)")
+            return (
+                f"the NATS server denies this identity its reply inbox {prefix}.>; set RLBUS_NATS_INBOX "
+                "(NatsAuth.inbox) to the prefix its config allows (`rlbus nats-config` writes it in the env file)"
+            )
     return None

@@ -46,8 +46,9 @@ class Rotary(nn.Module):
         self._sin: torch.Tensor | None = None
 
     def rebuild(self) -> None:
-        t = torch.arange(self.max_seq_len, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(t, self.inv_freq)
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]  # a registered buffer
+        t = torch.arange(self.max_seq_len, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(t, inv_freq)
         self._cos, self._sin = freqs.cos(), freqs.sin()
 
     def drop_tables(self) -> None:
@@ -133,9 +134,7 @@ class TinyLM(nn.Module):
         _cast(self, cfg.torch_dtype)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len)
 
-    def forward(
-        self, tokens: torch.Tensor, kv: "KVCache | None" = None, slot: int = 0, start: int = 0
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv: KVCache | None = None, slot: int = 0, start: int = 0) -> torch.Tensor:
         """tokens: [T] -> logits [T, vocab]. With a cache, positions start..start+T-1 are written."""
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):

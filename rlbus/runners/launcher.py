@@ -10,18 +10,22 @@ from collections.abc import Sequence
 
 import anyio
 
-from rlbus.runners.children import spawn
-from rlbus.sdk.client import RLClient
 from rlbus.bus.connection import NatsAuth
-from rlbus.schemas.errors import DeadlineExceeded
+from rlbus.runners.children import spawn
 from rlbus.runners.natsserver import NatsCluster, NatsServer
+from rlbus.schemas.errors import DeadlineExceeded
+from rlbus.sdk.client import RLClient
 
 
 class ProcessFleet:
     """Child processes of one fleet; stop() always reaps them (SIGTERM -> wait -> SIGKILL)."""
 
     def __init__(
-        self, url: str, workers: int, worker_args: Sequence[str] = (), controller_args: Sequence[str] = (),
+        self,
+        url: str,
+        workers: int,
+        worker_args: Sequence[str] = (),
+        controller_args: Sequence[str] = (),
         log_level: str | None = None,
         role_env: dict[str, dict[str, str]] | None = None,
     ) -> None:
@@ -50,8 +54,15 @@ class ProcessFleet:
     async def wait_ready(self, timeout: float = 120.0) -> RLClient:
         """Wait until every worker is registered with the controller; returns a connected client."""
         trainer = self.role_env.get("trainer", {})
-        auth = NatsAuth(user=trainer.get("RLBUS_NATS_USER"), password=trainer.get("RLBUS_NATS_PASSWORD"),
-                        inbox=trainer.get("RLBUS_NATS_INBOX")) if trainer else None
+        auth = (
+            NatsAuth(
+                user=trainer.get("RLBUS_NATS_USER"),
+                password=trainer.get("RLBUS_NATS_PASSWORD"),
+                inbox=trainer.get("RLBUS_NATS_INBOX"),
+            )
+            if trainer
+            else None
+        )
         rl = await RLClient.connect(self.url, timeout=5.0, auth=auth)
         joined = await rl.nc.subscribe(rl.subjects.event("worker_joined"))
         try:
@@ -99,8 +110,9 @@ class ProcessFleet:
         self.procs.clear()
 
 
-def embedded_or(url: str | None, config_file: str | os.PathLike[str] | None = None,
-                cluster: int = 1) -> tuple[str, NatsServer | NatsCluster | None]:
+def embedded_or(
+    url: str | None, config_file: str | os.PathLike[str] | None = None, cluster: int = 1
+) -> tuple[str, NatsServer | NatsCluster | None]:
     """The given URL, or a freshly started embedded server's (or cluster's: every node's URL)."""
     if url:
         return url, None
@@ -109,5 +121,5 @@ def embedded_or(url: str | None, config_file: str | os.PathLike[str] | None = No
             raise ValueError("an embedded cluster runs without a config file (no --secure)")
         nodes = NatsCluster(cluster).start()
         return nodes.url, nodes
-    server = NatsServer(config_file=config_file).start()
+    server = NatsServer(config_file=str(config_file) if config_file is not None else None).start()
     return server.url, server

@@ -32,7 +32,11 @@ class LocalFleet:
         return svc
 
     async def start_worker(self, engine: Engine, options: WorkerOptions) -> WorkerService:
-        nc = await connect(self.url, name=f"rlbus-worker-{options.worker_id}", inbox_prefix=options.subjects.inbox(f"worker-{options.worker_id}"))
+        nc = await connect(
+            self.url,
+            name=f"rlbus-worker-{options.worker_id}",
+            inbox_prefix=options.subjects.inbox(f"worker-{options.worker_id}"),
+        )
         svc = WorkerService(nc, engine, options)
         await self._start(svc, nc)
         self.workers[options.worker_id] = svc
@@ -47,7 +51,12 @@ class LocalFleet:
                     started.set_result(None)
 
         task = asyncio.create_task(svc.run(task_status=_Status()))
-        task.add_done_callback(lambda t: started.done() or started.set_exception(t.exception() or RuntimeError("service exited")))
+
+        def settle(t: asyncio.Task) -> None:
+            if not started.done():
+                started.set_exception(t.exception() or RuntimeError("service exited"))
+
+        task.add_done_callback(settle)
         await started
         self._tasks[svc] = task
         self._conns[svc] = nc

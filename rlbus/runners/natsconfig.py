@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from pathlib import Path
-
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -61,13 +60,26 @@ def permissions(identity: str, subjects: Subjects) -> dict[str, object]:
         return {
             "publish": {
                 # + answers to trainers and observers, in their inboxes only
-                "allow": [subjects.worker_commands("*"), subjects.controller_hello, subjects.version, subjects.events,
-                          "$JS.API.>", subjects.kv_subjects, subjects.replies_subjects,
-                          f"{subjects.inbox('trainer')}.>", f"{subjects.inbox('observer')}.>"]
+                "allow": [
+                    subjects.worker_commands("*"),
+                    subjects.controller_hello,
+                    subjects.version,
+                    subjects.events,
+                    "$JS.API.>",
+                    subjects.kv_subjects,
+                    subjects.replies_subjects,
+                    f"{subjects.inbox('trainer')}.>",
+                    f"{subjects.inbox('observer')}.>",
+                ]
             },
             "subscribe": {
-                "allow": [f"{subjects.control_group}.>", *(subjects.worker_events(k) for k in ("ready", "heartbeat", "gone")),
-                          inbox, "$SRV.>", subjects.version]
+                "allow": [
+                    f"{subjects.control_group}.>",
+                    *(subjects.worker_events(k) for k in ("ready", "heartbeat", "gone")),
+                    inbox,
+                    "$SRV.>",
+                    subjects.version,
+                ]
             },
             "allow_responses": True,
         }
@@ -81,8 +93,16 @@ def permissions(identity: str, subjects: Subjects) -> dict[str, object]:
         return {
             # its own events, and its own status subject (the startup check that no live worker holds its id)
             "publish": {"allow": [f"{subjects.prefix}.workers.{worker}.*", subjects.worker(worker, "status")]},
-            "subscribe": {"allow": [subjects.worker_commands(worker), subjects.controller_hello, subjects.generate,
-                                    "$SRV.>", inbox, subjects.version]},
+            "subscribe": {
+                "allow": [
+                    subjects.worker_commands(worker),
+                    subjects.controller_hello,
+                    subjects.generate,
+                    "$SRV.>",
+                    inbox,
+                    subjects.version,
+                ]
+            },
             "allow_responses": True,  # one reply to each command it receives
         }
     raise ValueError(f"unknown identity {identity!r}; roles are {ROLES} and worker-<id>")
@@ -101,8 +121,9 @@ def permission_matrix(prefix: str = "rl") -> str:
     return "\n".join(rows)
 
 
-def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None,
-                 workers: Sequence[str] = ("worker-0", "worker-1")) -> dict[str, Path]:
+def write_config(
+    out: Path, *, prefix: str = "rl", tls: Tls | None = None, workers: Sequence[str] = ("worker-0", "worker-1")
+) -> dict[str, Path]:
     """Write `nats.conf` and one `<identity>.env` per role and per worker id
     (RLBUS_NATS_USER/PASSWORD/INBOX), mode 0600. Add workers later by writing again with the
     full list (every password is fresh, so restart the server and the services with the new files).
@@ -113,9 +134,7 @@ def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None,
     out.mkdir(parents=True, exist_ok=True)
     names = identities(workers)
     passwords = {r: secrets.token_urlsafe(24) for r in names}
-    users = [
-        {"user": f"rlbus-{r}", "password": passwords[r], "permissions": permissions(r, subjects)} for r in names
-    ]
+    users = [{"user": f"rlbus-{r}", "password": passwords[r], "permissions": permissions(r, subjects)} for r in names]
     # nats-server's config format accepts JSON syntax
     lines = [
         "# written by `rlbus nats-config`: least-privilege users for rlbus roles and workers",
@@ -136,8 +155,10 @@ def write_config(out: Path, *, prefix: str = "rl", tls: Tls | None = None,
     _write_private(paths["config"], "\n".join(lines) + "\n")
     for r in names:
         paths[r] = out / f"{r}.env"
-        _write_private(paths[r], f"RLBUS_NATS_USER=rlbus-{r}\nRLBUS_NATS_PASSWORD={passwords[r]}\n"
-                                 f"RLBUS_NATS_INBOX={subjects.inbox(r)}\n")
+        _write_private(
+            paths[r],
+            f"RLBUS_NATS_USER=rlbus-{r}\nRLBUS_NATS_PASSWORD={passwords[r]}\nRLBUS_NATS_INBOX={subjects.inbox(r)}\n",
+        )
     return paths
 
 

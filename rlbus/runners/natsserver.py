@@ -5,10 +5,10 @@ Used by the CLI (`rlbus up`, `rlbus demo`) and by the tests.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
-import json
 import socket
 import subprocess
 import sys
@@ -84,7 +84,7 @@ class NatsServer:
         store_dir: str | Path | None = None,
         config_file: str | Path | None = None,
         ready_timeout: float = 20.0,
-        cluster: "ClusterNode | None" = None,
+        cluster: ClusterNode | None = None,
     ) -> None:
         self.host = host
         self.requested_port = port
@@ -131,15 +131,23 @@ class NatsServer:
         path.write_text(text)
         return path
 
-    def start(self) -> "NatsServer":
+    def start(self) -> NatsServer:
         """Start the server and wait until it is ready; returns self."""
         args = [server_binary(), "-a", self.host, "-p", str(self.requested_port), "-c", str(self._liveness_config())]
         if self.jetstream:
             args += ["-js", "-sd", str(self.store_dir)]
         if self.cluster is not None:
             c = self.cluster
-            args += ["--name", c.server_name, "--cluster_name", c.cluster_name,
-                     "--cluster", f"nats://{self.host}:{c.port}", "--routes", ",".join(c.routes)]
+            args += [
+                "--name",
+                c.server_name,
+                "--cluster_name",
+                c.cluster_name,
+                "--cluster",
+                f"nats://{self.host}:{c.port}",
+                "--routes",
+                ",".join(c.routes),
+            ]
             if c.no_advertise:
                 args += ["--no_advertise=true"]
             if c.cluster_advertise:
@@ -150,9 +158,7 @@ class NatsServer:
         reader.start()
         if not ready.wait(self.ready_timeout) or self.port is None:
             self.stop()
-            raise NatsServerError(
-                "nats-server did not become ready:\n" + "\n".join(self._log[-20:])
-            )
+            raise NatsServerError("nats-server did not become ready:\n" + "\n".join(self._log[-20:]))
         return self
 
     def _read_log(self, ready: threading.Event) -> None:
@@ -215,7 +221,7 @@ class NatsServer:
         self.stop(keep_store=True)
         self.start_again()
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -233,14 +239,20 @@ class NatsCluster:
     trying rlbus on a cluster and for tests. `url` lists every node (comma-separated), as every
     rlbus command and RLClient.connect accept it."""
 
-    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", name: str = "rlbus", no_advertise: bool = False) -> None:
+    def __init__(
+        self, size: int = 3, *, host: str = "127.0.0.1", name: str = "rlbus", no_advertise: bool = False
+    ) -> None:
         if size < 1:
             raise ValueError("a cluster has at least one node")
         ports = [free_port(host) for _ in range(size)]
         routes = [f"nats://{host}:{p}" for p in ports]
         self.nodes = [
-            NatsServer(host=host, cluster=ClusterNode(server_name=f"{name}-{i}", cluster_name=name, port=p, routes=routes,
-                                                      no_advertise=no_advertise))
+            NatsServer(
+                host=host,
+                cluster=ClusterNode(
+                    server_name=f"{name}-{i}", cluster_name=name, port=p, routes=routes, no_advertise=no_advertise
+                ),
+            )
             for i, p in enumerate(ports)
         ]
 
@@ -263,7 +275,7 @@ class NatsCluster:
         assert c is not None
         return c.port
 
-    def start(self) -> "NatsCluster":
+    def start(self) -> NatsCluster:
         for node in self.nodes:
             node.start()
         return self
@@ -272,9 +284,8 @@ class NatsCluster:
         for node in self.nodes:
             node.stop()
 
-    def __enter__(self) -> "NatsCluster":
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

@@ -32,8 +32,13 @@ def _field_docs(cls: type) -> dict[str, str]:
                 continue
             body = tree.body[0].body  # type: ignore[attr-defined]
             for a, b in zip(body, body[1:]):
-                if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
-                        and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+                if (
+                    isinstance(a, ast.AnnAssign)
+                    and isinstance(a.target, ast.Name)
+                    and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant)
+                    and isinstance(b.value.value, str)
+                ):
                     docs[a.target.id] = " ".join(b.value.value.split())
     return docs
 
@@ -64,10 +69,15 @@ def _type(t: msgspec.inspect.Type) -> str:
 def _fields(cls: type[msgspec.Struct]) -> list[str]:
     docs = _field_docs(cls)
     rows = ["| field | type | required | default | meaning |", "|---|---|---|---|---|"]
-    for f in msgspec.inspect.type_info(cls).fields:  # type: ignore[union-attr]
-        default = "" if f.required else ("`" + json.dumps(msgspec.to_builtins(f.default)) + "`"
-                                         if f.default is not msgspec.NODEFAULT else "")
-        rows.append(f"| `{f.name}` | {_type(f.type)} | {'yes' if f.required else 'no'} | {default} | {docs.get(f.name, '')} |")
+    for f in msgspec.inspect.type_info(cls).fields:  # type: ignore[union-attr, attr-defined]
+        default = (
+            ""
+            if f.required
+            else ("`" + json.dumps(msgspec.to_builtins(f.default)) + "`" if f.default is not msgspec.NODEFAULT else "")
+        )
+        rows.append(
+            f"| `{f.name}` | {_type(f.type)} | {'yes' if f.required else 'no'} | {default} | {docs.get(f.name, '')} |"
+        )
     return rows
 
 
@@ -95,9 +105,8 @@ def _sample(t: msgspec.inspect.Type) -> object:
 def example(cls: type[msgspec.Struct]) -> msgspec.Struct:
     """An instance with every required field filled by a plain sample value."""
     info = msgspec.inspect.type_info(cls)
-    required = {f.name: _sample(f.type) for f in info.fields if f.required}  # type: ignore[union-attr]
-    return msgspec.convert(required, cls, from_attributes=False) if not issubclass(cls, s.Message) \
-        else cls(**required)  # type: ignore[call-arg]
+    required = {f.name: _sample(f.type) for f in info.fields if f.required}  # type: ignore[union-attr, attr-defined]
+    return msgspec.convert(required, cls, from_attributes=False) if not issubclass(cls, s.Message) else cls(**required)  # type: ignore[call-arg]
 
 
 def _json(obj: object) -> str:
@@ -116,11 +125,16 @@ def _subjects() -> list[str]:
     subj = s.Subjects(prefix=PREFIX)
     rows = ["| subject | what |", "|---|---|"]
     entries = [
-        ("control", subj.control("<op>")), ("worker", subj.worker("<id>", "<op>")),
+        ("control", subj.control("<op>")),
+        ("worker", subj.worker("<id>", "<op>")),
         ("worker_event", subj.worker_event("<id>", "<ready|heartbeat|gone>")),  # type: ignore[arg-type]
-        ("controller_hello", subj.controller_hello), ("version", subj.version), ("event", subj.event("<kind>")),
-        ("generate", subj.generate), ("inbox", subj.inbox("<identity>") + ".>"),
-        ("kv_bucket", subj.kv_bucket), ("replies_bucket", subj.replies_bucket),
+        ("controller_hello", subj.controller_hello),
+        ("version", subj.version),
+        ("event", subj.event("<kind>")),
+        ("generate", subj.generate),
+        ("inbox", subj.inbox("<identity>") + ".>"),
+        ("kv_bucket", subj.kv_bucket),
+        ("replies_bucket", subj.replies_bucket),
     ]
     for name, value in entries:
         doc = " ".join((inspect.getdoc(getattr(s.Subjects, name)) or "").split())
@@ -184,25 +198,58 @@ def render() -> str:
         reply = cls.reply
         out += _message(cls, "###")
         req = example(cls)
-        out += [f"Answers `{reply.__struct_config__.tag}` (`{reply.__name__}`) or `nack`. Example:", "",
-                "```", f"→ {s.subjects.Subjects(PREFIX).control(s.op_of(cls))}  {_json(req)}",
-                f"← {_json(replies.get(reply, example(reply)))}", "```", ""]
+        out += [
+            f"Answers `{reply.__struct_config__.tag}` (`{reply.__name__}`) or `nack`. Example:",
+            "",
+            "```",
+            f"→ {s.subjects.Subjects(PREFIX).control(s.op_of(cls))}  {_json(req)}",
+            f"← {_json(replies.get(reply, example(reply)))}",
+            "```",
+            "",
+        ]
     out += ["## Replies and records", ""]
-    for cls in (s.FleetAck, s.Nack, s.WorkerFailure, s.ServerInfo, s.VersionInfo, s.WorkerState, s.WorkerInfo,
-                s.Capabilities, s.FleetState, s.TransferInit, s.ParamMeta, s.BucketMeta):
+    for cls in (
+        s.FleetAck,
+        s.Nack,
+        s.WorkerFailure,
+        s.ServerInfo,
+        s.VersionInfo,
+        s.WorkerState,
+        s.WorkerInfo,
+        s.Capabilities,
+        s.FleetState,
+        s.TransferInit,
+        s.ParamMeta,
+        s.BucketMeta,
+    ):
         out += _message(cls)
     out += ["## Generation: anyone → one worker on `rl.generate` (queue group)", ""]
     for cls in (s.GenerateRequest, s.GenerateReply):
         out += _message(cls)
-    out += ["## Error codes (`nack.code`, `failures[].code`)", "", "| code | meaning |", "|---|---|",
-            *(f"| `{c}` | {s.codes.ERROR_MEANINGS[c]} |" for c in s.ERROR_CODES), "",
-            f"## The state bucket (`{s.Subjects(PREFIX).kv_bucket}`)", "", *_kv_keys(), "",
-            "`version` holds a `VersionInfo` from the first leader's start on (`default`, seq 0, until a commit).", "",
-            "## Events: controller → anyone on `rl.events.<kind>` and worker → controller", ""]
+    out += [
+        "## Error codes (`nack.code`, `failures[].code`)",
+        "",
+        "| code | meaning |",
+        "|---|---|",
+        *(f"| `{c}` | {s.codes.ERROR_MEANINGS[c]} |" for c in s.ERROR_CODES),
+        "",
+        f"## The state bucket (`{s.Subjects(PREFIX).kv_bucket}`)",
+        "",
+        *_kv_keys(),
+        "",
+        "`version` holds a `VersionInfo` from the first leader's start on (`default`, seq 0, until a commit).",
+        "",
+        "## Events: controller → anyone on `rl.events.<kind>` and worker → controller",
+        "",
+    ]
     for cls in typing.get_args(s.AnyEvent):
         out += _message(cls)
-    out += ["## Worker commands: controller → one worker on `rl.worker.<id>.<op>`", "",
-            "Each answers `worker_ack` (`WorkerAck`: the worker's state afterwards) or `nack`.", ""]
+    out += [
+        "## Worker commands: controller → one worker on `rl.worker.<id>.<op>`",
+        "",
+        "Each answers `worker_ack` (`WorkerAck`: the worker's state afterwards) or `nack`.",
+        "",
+    ]
     for cls in typing.get_args(s.AnyWorkerCommand):
         out += _message(cls, "####")
     return "\n".join(out).rstrip() + "\n"

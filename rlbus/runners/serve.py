@@ -17,7 +17,7 @@ log = logging.getLogger("rlbus.runners.serve")
 
 
 class Service(Protocol):
-    async def run(self, *, task_status=...) -> None: ...  # noqa: ANN001
+    async def run(self, *, task_status=...) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -31,7 +31,11 @@ class ServiceRefused(SystemExit):
 
 
 async def serve(
-    url: str, name: str, make: Callable[[Client], Awaitable[Service] | Service], *, auth: NatsAuth | None = None,
+    url: str,
+    name: str,
+    make: Callable[[Client], Awaitable[Service] | Service],
+    *,
+    auth: NatsAuth | None = None,
     inbox_prefix: str | None = None,
 ) -> None:
     """Connect, run the service, stop it on a signal and drain the connection.
@@ -52,7 +56,9 @@ async def serve(
     running = anyio.CancelScope()
 
     def on_denied(action: str, subject: str) -> None:
-        log.error("%s: NATS denies %s to %s; check this service's credentials and role. Stopping.", name, action, subject)
+        log.error(
+            "%s: NATS denies %s to %s; check this service's credentials and role. Stopping.", name, action, subject
+        )
         denied.append(subject)
         svc.stop()
         # whatever the service waits on (a JetStream call would only time out) ends now

@@ -16,9 +16,6 @@ from nats.aio.client import Client
 from rlbus.bus.connection import NatsAuth, connect, drain, request, resolve_url
 from rlbus.bus.faults import expect_reply, fault_of
 from rlbus.schemas import (
-    TensorChecksum,
-    VerifyWeights,
-    WeightCheck,
     AnyControlCommand,
     Backend,
     DeadlineExceeded,
@@ -39,10 +36,13 @@ from rlbus.schemas import (
     Sleep,
     SleepTag,
     Subjects,
+    TensorChecksum,
     Unavailable,
     UpdateWeightVersion,
+    VerifyWeights,
     VersionInfo,
     WakeUp,
+    WeightCheck,
     encode,
     generate_reply_decoder,
     op_of,
@@ -76,8 +76,15 @@ RETRY_S = 15.0
 class RLClient:
     """Talks to the controller over NATS. `async with await RLClient.connect(url) as rl: ...`"""
 
-    def __init__(self, nc: Client, *, subjects: Subjects | None = None, timeout: float = 60.0, owns_connection: bool = False,
-                 retry_s: float = RETRY_S) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        subjects: Subjects | None = None,
+        timeout: float = 60.0,
+        owns_connection: bool = False,
+        retry_s: float = RETRY_S,
+    ) -> None:
         self.nc = nc
         self.subjects = subjects or Subjects()
         self.timeout = timeout
@@ -96,9 +103,14 @@ class RLClient:
 
     @classmethod
     async def connect(
-        cls, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None,
+        cls,
+        url: str | None = None,
+        *,
+        prefix: str = "rl",
+        timeout: float = 60.0,
+        auth: NatsAuth | None = None,
         retry_s: float | None = None,
-    ) -> "RLClient":
+    ) -> RLClient:
         """Connect to NATS (url or $RLBUS_NATS_URL; credentials from `auth` or $RLBUS_NATS_*)."""
         resolved = resolve_url(url)
         if resolved is None:
@@ -109,15 +121,20 @@ class RLClient:
             raise PermissionDenied(str(e)) from None
         except Exception as e:
             raise Unavailable(f"cannot connect to NATS at {resolved}: {e}") from None
-        return cls(nc, subjects=Subjects(prefix=prefix), timeout=timeout, owns_connection=True,
-                   retry_s=RETRY_S if retry_s is None else retry_s)
+        return cls(
+            nc,
+            subjects=Subjects(prefix=prefix),
+            timeout=timeout,
+            owns_connection=True,
+            retry_s=RETRY_S if retry_s is None else retry_s,
+        )
 
     async def close(self) -> None:
         self.push.close()
         if self._owns:
             await drain(self.nc)
 
-    async def __aenter__(self) -> "RLClient":
+    async def __aenter__(self) -> RLClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -133,12 +150,32 @@ class RLClient:
         if command.trainer_id is None:  # who sends it: the push lease names its holder by it
             command = msgspec.structs.replace(command, trainer_id=self.trainer_id)
         if not command.command_id:  # a retry of this command resends it as it is (same id, same bytes)
-            command = msgspec.structs.replace(command, command_id=uuid.uuid4().hex, timeout_s=round(t, 3) if t != float("inf") else None)
-        return await self._ask(self.subjects.control(op), op, encode(command), expect, "the controller", t,
-                               hint="start one with `rlbus up` or `rlbus controller`", resend=True)
+            command = msgspec.structs.replace(
+                command, command_id=uuid.uuid4().hex, timeout_s=round(t, 3) if t != float("inf") else None
+            )
+        return await self._ask(
+            self.subjects.control(op),
+            op,
+            encode(command),
+            expect,
+            "the controller",
+            t,
+            hint="start one with `rlbus up` or `rlbus controller`",
+            resend=True,
+        )
 
-    async def _ask(self, subject: str, op: str, payload: bytes, expect: type[T], who: str,
-                   timeout: float | None = None, decoder: Any = None, hint: str = "", resend: bool = False) -> T:
+    async def _ask(
+        self,
+        subject: str,
+        op: str,
+        payload: bytes,
+        expect: type[T],
+        who: str,
+        timeout: float | None = None,
+        decoder: Any = None,
+        hint: str = "",
+        resend: bool = False,
+    ) -> T:
         """One request/reply within the deadline. Retries while nothing answers (within
         retry_s). With `resend` (a command deduplicated by its id) it also waits at most
         attempt_s per attempt and sends the same bytes again: a leader that froze or lost its
@@ -221,7 +258,9 @@ class RLClient:
             with anyio.fail_after(limit):
                 return await self.push.init_transfer(await self.server_info(), backend, master_addr, timeout_s)
         except TimeoutError:
-            raise DeadlineExceeded(f"init_weight_transfer did not finish within {limit:g}s (the workers did not all join)") from None
+            raise DeadlineExceeded(
+                f"init_weight_transfer did not finish within {limit:g}s (the workers did not all join)"
+            ) from None
 
     async def start_weight_update(self, *, delta: bool = False) -> FleetAck:
         """Open an update session for the main model on every worker.
@@ -242,7 +281,7 @@ class RLClient:
         return self.push.last
 
     async def update_weights(
-        self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], *, bucket_bytes: int | None = None
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int | None = None
     ) -> FleetAck:
         """Send tensors to every worker: metadata through the controller (every worker checks
         names, dtypes and shapes first), then the bytes out-of-band in checksummed buckets,
@@ -274,7 +313,7 @@ class RLClient:
         return await self.call(GetWeightVersion(), VersionInfo)
 
     async def verify_weights(
-        self, named_tensors: Iterable[tuple[str, "torch.Tensor"]] | None = None, *, draft: bool = False
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, *, draft: bool = False
     ) -> WeightCheck:
         """Does every worker serve the same bits? Each hashes the weights it serves (the main
         model, or the draft); given the trainer's tensors, each is compared with them, else the
@@ -284,8 +323,9 @@ class RLClient:
         from rlbus.transfer.buckets import as_bytes
         from rlbus.transfer.checksum import checksum
 
-        expected = [TensorChecksum(name=n, checksum=checksum(as_bytes(t.detach().cpu())))
-                    for n, t in (named_tensors or [])]
+        expected = [
+            TensorChecksum(name=n, checksum=checksum(as_bytes(t.detach().cpu()))) for n, t in (named_tensors or [])
+        ]
         return await self.call(VerifyWeights(target="draft" if draft else "main", expected=expected), WeightCheck)
 
     def watch_versions(self) -> AsyncIterator[VersionInfo]:
@@ -296,7 +336,7 @@ class RLClient:
 
     async def push_weights(
         self,
-        named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: str | None = None,
         *,
         pause_mode: PauseMode = "wait",
@@ -336,12 +376,22 @@ class RLClient:
             with anyio.fail_after(max(0.0, deadline - anyio.current_time()), shield=True):
                 await self.resume()
         except TimeoutError:
-            raise DeadlineExceeded(f"push_weights committed {ack.weight_version} but the fleet did not resume "
-                                   f"within its {total:g}s; call resume()") from None
+            raise DeadlineExceeded(
+                f"push_weights committed {ack.weight_version} but the fleet did not resume "
+                f"within its {total:g}s; call resume()"
+            ) from None
         return ack
 
-    async def _push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: str | None, pause_mode: PauseMode,
-                    draft: bool, delta: bool, bucket_bytes: int | None, deadline: float) -> FleetAck:
+    async def _push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: str | None,
+        pause_mode: PauseMode,
+        draft: bool,
+        delta: bool,
+        bucket_bytes: int | None,
+        deadline: float,
+    ) -> FleetAck:
         info = await self.server_info()
         if info.session_id:
             raise FailedPrecondition(
@@ -404,10 +454,21 @@ class RLClient:
     ) -> GenerateReply:
         """Generate on one worker (NATS queue group picks it). The reply names the weight version used."""
         req = GenerateRequest(
-            prompt_tokens=list(prompt_tokens), max_tokens=max_tokens, temperature=temperature, seed=seed, return_logprobs=return_logprobs
+            prompt_tokens=list(prompt_tokens),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            return_logprobs=return_logprobs,
         )
-        return await self._ask(self.subjects.generate, "generate", encode(req), GenerateReply, "a worker serving generation",
-                               timeout, generate_reply_decoder)
+        return await self._ask(
+            self.subjects.generate,
+            "generate",
+            encode(req),
+            GenerateReply,
+            "a worker serving generation",
+            timeout,
+            generate_reply_decoder,
+        )
 
 
 def _left() -> float:
@@ -422,7 +483,12 @@ class SyncRLClient:
     """
 
     def __init__(
-        self, url: str | None = None, *, prefix: str = "rl", timeout: float = 60.0, auth: NatsAuth | None = None,
+        self,
+        url: str | None = None,
+        *,
+        prefix: str = "rl",
+        timeout: float = 60.0,
+        auth: NatsAuth | None = None,
         retry_s: float | None = None,
     ) -> None:
         self._portal_cm = start_blocking_portal()
@@ -436,7 +502,7 @@ class SyncRLClient:
             raise
 
     @classmethod
-    def connect(cls, url: str | None = None, **kw: Any) -> "SyncRLClient":
+    def connect(cls, url: str | None = None, **kw: Any) -> SyncRLClient:
         return cls(url, **kw)
 
     def close(self) -> None:
@@ -445,7 +511,7 @@ class SyncRLClient:
         finally:
             self._portal_cm.__exit__(None, None, None)
 
-    def __enter__(self) -> "SyncRLClient":
+    def __enter__(self) -> SyncRLClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -461,7 +527,7 @@ class SyncRLClient:
                 except StopAsyncIteration:
                     return
         finally:
-            self._portal.call(agen.aclose)
+            self._portal.call(agen.aclose)  # type: ignore[attr-defined, call-arg]
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)

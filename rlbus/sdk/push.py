@@ -21,8 +21,8 @@ import msgspec
 
 from rlbus.schemas import (
     MAX_COMMAND_BYTES,
-    AbortWeightUpdate,
     Aborted,
+    AbortWeightUpdate,
     AnyControlCommand,
     Backend,
     DeadlineExceeded,
@@ -181,8 +181,13 @@ class WeightPush:
         tx = trainer_transfer(chosen)
         init = tx.bind(
             TransferInit(
-                backend=chosen, master_addr=master_addr, master_port=0, world_size=len(info.workers) + 1,
-                rank_offset=1, group_name=f"rlbus-{uuid.uuid4().hex[:12]}", timeout_s=timeout_s,
+                backend=chosen,
+                master_addr=master_addr,
+                master_port=0,
+                world_size=len(info.workers) + 1,
+                rank_offset=1,
+                group_name=f"rlbus-{uuid.uuid4().hex[:12]}",
+                timeout_s=timeout_s,
             )
         )
         opened = anyio.Event()
@@ -191,7 +196,7 @@ class WeightPush:
         async def open_side() -> None:
             try:
                 await detached(tx.open, init, name="rlbus-open")
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 failure.append(e)
             opened.set()
 
@@ -214,10 +219,10 @@ class WeightPush:
             raise refused[0]
         if failure:
             tx.close()
-            e = failure[0]
-            if isinstance(e, TransferError):
-                raise DeadlineExceeded(f"weight-transfer group did not form: {e}") from None
-            raise e
+            cause = failure[0]
+            if isinstance(cause, TransferError):
+                raise DeadlineExceeded(f"weight-transfer group did not form: {cause}") from None
+            raise cause
         self.transfer, self.init = tx, init
         self.group = [w.worker_id for w in ack.workers]
         return ack
@@ -238,6 +243,7 @@ class WeightPush:
                 base = None
         if ack is None:
             ack = await self._call(StartWeightUpdate(target=target), FleetAck)
+        assert ack is not None
         self.checksums, self.session_id = [], ack.session_id
         self.tensor_checksums = []
         self._target = target
@@ -247,7 +253,9 @@ class WeightPush:
             self.pending = Pending(base_seq=base.seq if base is not None else None)
         else:
             self.pending = None
-        self.stats = PushStats(target=target, delta=base is not None, base_seq=base.seq if base else None, fallback=fallback)
+        self.stats = PushStats(
+            target=target, delta=base is not None, base_seq=base.seq if base else None, fallback=fallback
+        )
         return ack
 
     def _encode(self, named: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
@@ -359,18 +367,31 @@ class WeightPush:
             self.scratch, self._scratch_of = scratch_pair(tx, need), tx
         ack: FleetAck | None = None
         for first, last in meta_chunks(per_bucket, limit):
-            params = [msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in per_bucket[k]]
+            params = [
+                msgspec.structs.replace(m, bucket=m.bucket - first) for k in range(first, last) for m in per_bucket[k]
+            ]
             buckets = [msgspec.structs.replace(b, index=b.index - first) for b in plan.buckets[first:last]]
-            ack = await self._call(UpdateWeights(params=params, buckets=buckets, session_id=self.session_id,
-                                                 group=self.init.group_name if self.init else ""), FleetAck)
+            ack = await self._call(
+                UpdateWeights(
+                    params=params,
+                    buckets=buckets,
+                    session_id=self.session_id,
+                    group=self.init.group_name if self.init else "",
+                ),
+                FleetAck,
+            )
             try:
                 self.checksums += await detached(
-                    lambda: send_stream(tx, plan, named, first=first, last=last, scratch=self.scratch, pack_every_bucket=every),
+                    lambda: send_stream(
+                        tx, plan, named, first=first, last=last, scratch=self.scratch, pack_every_bucket=every
+                    ),
                     name="rlbus-send",
                 )
             except TransferError as e:
                 self.close()
-                raise Aborted(f"sending weights failed ({e}); abort the session and init_weight_transfer() again") from None
+                raise Aborted(
+                    f"sending weights failed ({e}); abort the session and init_weight_transfer() again"
+                ) from None
         if ack is None:  # nothing to send: still tell the controller (an empty update)
             ack = await self._call(UpdateWeights(params=[], buckets=[], session_id=self.session_id), FleetAck)
         return ack
@@ -378,8 +399,15 @@ class WeightPush:
     async def finish(self, weight_version: str | None) -> FleetAck:
         pending, stats = self.pending, self.stats
         try:
-            ack = await self._call(FinishWeightUpdate(weight_version=weight_version, checksums=self.checksums,
-                                                      tensor_checksums=self.tensor_checksums, session_id=self.session_id), FleetAck)
+            ack = await self._call(
+                FinishWeightUpdate(
+                    weight_version=weight_version,
+                    checksums=self.checksums,
+                    tensor_checksums=self.tensor_checksums,
+                    session_id=self.session_id,
+                ),
+                FleetAck,
+            )
         except RLBusError:
             if stats.delta:
                 # a delta that did not commit may have met a worker whose bits are not the base

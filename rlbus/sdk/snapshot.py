@@ -42,7 +42,9 @@ class Pending:
 
     @property
     def nbytes(self) -> int:
-        return sum(d.blob.numel() for d in self.deltas.values()) + sum(t.numel() * t.element_size() for t in self.dense.values())
+        return sum(d.blob.numel() for d in self.deltas.values()) + sum(
+            t.numel() * t.element_size() for t in self.dense.values()
+        )
 
     def commit(self, before: Committed | None, seq: int) -> Committed:
         """The snapshot after this session committed as `seq`. A delta session updates the

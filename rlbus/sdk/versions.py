@@ -61,7 +61,9 @@ async def watch_versions(nc: Client, subjects: Subjects) -> AsyncIterator[Versio
         """The version key's first revision after `revision` (None: there is none yet); a
         deletion or purge comes back without a record."""
         try:
-            msg = await retry_transient(nc, lambda: js.get_msg(subjects.kv_stream, seq=revision + 1, subject=key, next=True))
+            msg = await retry_transient(
+                nc, lambda: js.get_msg(subjects.kv_stream, seq=revision + 1, subject=key, next=True)
+            )
         except nats.js.errors.NotFoundError:
             return None
         if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
@@ -82,8 +84,14 @@ async def watch_versions(nc: Client, subjects: Subjects) -> AsyncIterator[Versio
                     continue  # not a commit: a deletion, or the same record written again (a state-loss write-back)
                 skipped = record.seq + record.draft_seq - last.seq - last.draft_seq - 1
                 if skipped > 0:
-                    log.warning("watch_versions fell behind the state bucket's history (%d commits): %d commits "
-                                "before %s (seq %d) were skipped", HISTORY, skipped, record.version, record.seq)
+                    log.warning(
+                        "watch_versions fell behind the state bucket's history (%d commits): %d commits "
+                        "before %s (seq %d) were skipped",
+                        HISTORY,
+                        skipped,
+                        record.version,
+                        record.seq,
+                    )
                 last = record
                 yield record
     finally:
@@ -104,12 +112,17 @@ async def retry_transient(nc: Client, call: Callable[[], Awaitable[T]]) -> T:
         before = len(denials.seen)
         try:
             return await call()
-        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError,
-                nats.errors.ConnectionReconnectingError) as e:
+        except (
+            nats.errors.TimeoutError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.errors.ConnectionReconnectingError,
+        ) as e:
             denied = [s for _, s in denials.seen[before:] if s.startswith("$js.")]
             if denied:
-                raise PermissionDenied(f"the NATS server denies this identity the JetStream API {denied[0]}; "
-                                       "check its credentials and role") from None
+                raise PermissionDenied(
+                    f"the NATS server denies this identity the JetStream API {denied[0]}; "
+                    "check its credentials and role"
+                ) from None
             if nc.is_closed:
                 raise Unavailable(f"the NATS connection is closed ({e!r})") from e
             log.info("JetStream call failed while the server is away (%r); retrying", e)

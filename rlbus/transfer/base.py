@@ -38,8 +38,9 @@ class UnsupportedDType(PlanError):
 class ChecksumMismatch(TransferError):
     """The received buckets do not hash to the trainer's checksums (or are not as many)."""
 
-    def __init__(self, bucket: int, expected: str, got: str, *, others: tuple[int, ...] = (),
-                 detail: str | None = None) -> None:
+    def __init__(
+        self, bucket: int, expected: str, got: str, *, others: tuple[int, ...] = (), detail: str | None = None
+    ) -> None:
         more = f" (and buckets {list(others)})" if others else ""
         super().__init__(detail or f"bucket {bucket}: checksum {got} != expected {expected}{more}")
         self.bucket = bucket
@@ -160,8 +161,9 @@ def timeout_error(init: TransferInit, what: str, cause: BaseException | None = N
     text = f"{what} failed in group {init.group_name!r}" + (f": {cause}" if cause else "")
     msg = str(cause or "").lower()
     if cause is None or "timeout" in msg or "timed out" in msg or isinstance(cause, TimeoutError):
-        return TransferTimeout(f"{what} timed out after {init.timeout_s}s in group {init.group_name!r}"
-                               + (f": {cause}" if cause else ""))
+        return TransferTimeout(
+            f"{what} timed out after {init.timeout_s}s in group {init.group_name!r}" + (f": {cause}" if cause else "")
+        )
     return TransferError(text)
 
 
@@ -187,8 +189,8 @@ async def detached(fn: Callable[..., T], *args: object, name: str = "rlbus-trans
     def body() -> None:
         try:
             ok, value = True, fn(*args)
-        except Exception as e:  # noqa: BLE001 - handed to the awaiting task
-            ok, value = False, e
+        except Exception as e:
+            ok, value = False, e  # type: ignore[assignment]
         try:
             loop.call_soon_threadsafe(settle, ok, value)
         except RuntimeError:  # the loop is closed: nobody awaits this any more

@@ -94,8 +94,9 @@ SOLO_FRACTION = 2
 """A tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own."""
 
 
-def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
-         max_tensors: int | None = None) -> tuple[list[ParamMeta], list[int]]:
+def plan(
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, max_tensors: int | None = None
+) -> tuple[list[ParamMeta], list[int]]:
     """Assign every tensor a 64-byte-aligned range in a bucket.
 
     A tensor of at least half a bucket travels alone, in a bucket of exactly its size
@@ -133,7 +134,9 @@ def plan(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
             sizes.append(nbytes)  # exactly the tensor: sent from it and landed in it as they are
             continue
         offset = align_up(end)
-        if shared is not None and (offset + nbytes > bucket_bytes or (max_tensors is not None and count >= max_tensors)):
+        if shared is not None and (
+            offset + nbytes > bucket_bytes or (max_tensors is not None and count >= max_tensors)
+        ):
             close()
         if shared is None:
             shared, offset, count = len(sizes), 0, 0
@@ -217,8 +220,9 @@ def unpack(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta]) -> list[tupl
     return out
 
 
-def copy_out(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta],
-             into: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def copy_out(
+    buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta], into: Mapping[str, torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
     """Copy every tensor of a bucket straight into ``into[name]`` and return ``(name, that
     tensor)``; a tensor with no such destination (missing, strided, another size, or big:
     torch copies those faster) comes back as a view into ``buf``, as :func:`unpack` gives."""
@@ -226,8 +230,14 @@ def copy_out(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta],
     out: list[tuple[str, torch.Tensor]] = []
     for m in metas_of_bucket:
         d = into.get(m.name) if m.encoding == "dense" else None
-        if d is not None and m.nbytes < _MEMMOVE_BELOW and d.is_cpu and d.is_contiguous() \
-                and d.numel() * d.element_size() == m.nbytes and m.offset + m.nbytes <= buf.numel():
+        if (
+            d is not None
+            and m.nbytes < _MEMMOVE_BELOW
+            and d.is_cpu
+            and d.is_contiguous()
+            and d.numel() * d.element_size() == m.nbytes
+            and m.offset + m.nbytes <= buf.numel()
+        ):
             ctypes.memmove(d.data_ptr(), base + m.offset, m.nbytes)
             out.append((m.name, d))
         else:

@@ -7,6 +7,7 @@ import ctypes
 import torch
 import xxhash
 
+
 def checksum(buf: torch.Tensor) -> str:
     """Hex xxh3-128 digest of a contiguous CPU uint8 tensor's bytes.
 

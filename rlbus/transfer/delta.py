@@ -28,7 +28,14 @@ import torch
 
 from rlbus.schemas import DeltaIndex, ParamMeta
 from rlbus.transfer.base import PlanError
-from rlbus.transfer.buckets import VALUES_ALIGN, align_up, delta_index_nbytes, delta_layout_problem, dtype_name, torch_dtype
+from rlbus.transfer.buckets import (
+    VALUES_ALIGN,
+    align_up,
+    delta_index_nbytes,
+    delta_layout_problem,
+    dtype_name,
+    torch_dtype,
+)
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22
@@ -77,8 +84,14 @@ class Delta:
         """The wire metadata of this delta, from the planned (uint8) meta of its blob."""
         inb = delta_index_nbytes(self.index, self.changed, math.prod(self.shape))
         return msgspec.structs.replace(
-            planned, dtype=dtype_name(self.dtype), shape=list(self.shape), encoding="delta", index=self.index,
-            changed=self.changed, index_nbytes=inb, values_offset=align_up(inb, VALUES_ALIGN),
+            planned,
+            dtype=dtype_name(self.dtype),
+            shape=list(self.shape),
+            encoding="delta",
+            index=self.index,
+            changed=self.changed,
+            index_nbytes=inb,
+            values_offset=align_up(inb, VALUES_ALIGN),
         )
 
     def apply_to(self, out: torch.Tensor) -> None:
@@ -212,8 +225,15 @@ def _pair(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return bits(new.contiguous()), bits(base.contiguous())
 
 
-def _build(a: torch.Tensor, pos: torch.Tensor | None, b: torch.Tensor | None, index: DeltaIndex,
-           shape: tuple[int, ...], dtype: torch.dtype, changed: int | None = None) -> Delta:
+def _build(
+    a: torch.Tensor,
+    pos: torch.Tensor | None,
+    b: torch.Tensor | None,
+    index: DeltaIndex,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    changed: int | None = None,
+) -> Delta:
     """The blob (on the host): from positions, or (bitmap) from the element masks of a vs b."""
     numel, itemsize = a.numel(), a.element_size()
     k = pos.numel() if pos is not None else int(changed or 0)
@@ -279,8 +299,11 @@ def decode(blob: torch.Tensor, m: ParamMeta) -> tuple[torch.Tensor, torch.Tensor
     block = blob[: m.index_nbytes]
     if m.index == "int32":
         where = block.view(torch.int32).to(torch.int64)
-        if where.numel() and (int(where[0]) < 0 or int(where[-1]) >= numel
-                              or (where.numel() > 1 and not bool((where[1:] > where[:-1]).all()))):
+        if where.numel() and (
+            int(where[0]) < 0
+            or int(where[-1]) >= numel
+            or (where.numel() > 1 and not bool((where[1:] > where[:-1]).all()))
+        ):
             raise DeltaError(f"delta of {m.name!r}: indices are not ascending within 0..{numel - 1}")
     else:
         mask = unpack_bits(block, numel)

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from rlbus.schemas import TransferInit
 from rlbus.transfer.base import TransferError, timeout_error
 
-
 HOST_ATTEMPTS = 3
 """Tries at hosting the store when its own first connection times out (a loaded host)."""
 
@@ -36,7 +35,7 @@ def host_store(init: TransferInit) -> tuple[dist.Store, dist.TCPStore, TransferI
                 wait_for_workers=False,
             )
             break
-        except Exception as e:  # noqa: BLE001 - torch raises bare RuntimeError/DistNetworkError
+        except Exception as e:
             # the server connects to itself first; on a loaded host that can miss a short timeout
             if "timed out" in str(e) and attempt + 1 < HOST_ATTEMPTS:
                 continue
@@ -58,7 +57,6 @@ def connect_store(init: TransferInit) -> tuple[dist.Store, dist.TCPStore]:
             is_master=False,
             timeout=timedelta(seconds=init.timeout_s),
         )
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise timeout_error(init, f"connecting to rendezvous {init.master_addr}:{init.master_port}", e) from e
     return dist.PrefixStore(init.group_name + "/", raw), raw
-

@@ -15,12 +15,12 @@ about) a segment a worker merely reads.
 
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 from datetime import timedelta
 from multiprocessing import shared_memory
 
-import _posixshmem
 import torch
 import torch.distributed as dist
 import xxhash
@@ -54,21 +54,22 @@ class _Store:
     def wait(self, key: str, what: str) -> None:
         try:
             self.store.wait([key], timedelta(seconds=self.init.timeout_s))
-        except Exception as e:  # noqa: BLE001 - DistStoreError/DistNetworkError
+        except Exception as e:
             raise timeout_error(self.init, what, e) from e
 
     def call(self, what: str, fn, *args):
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise timeout_error(self.init, what, e) from e
 
 
 class _Segment:
     """A mapped segment and a uint8 tensor over it."""
 
-    def __init__(self, name: str, data: torch.Tensor, owner: shared_memory.SharedMemory | None,
-                 mm: mmap.mmap | None) -> None:
+    def __init__(
+        self, name: str, data: torch.Tensor, owner: shared_memory.SharedMemory | None, mm: mmap.mmap | None
+    ) -> None:
         self.name, self.data, self._owner, self._mm = name, data, owner, mm
 
     @classmethod
@@ -186,8 +187,9 @@ class ShmTrainer:
         assert self._seg is not None
         off = (k % 2) * self._slot
         self._seg.data[off : off + n].copy_(buf)
-        self._store.call(f"announcing bucket {k}", self._store.store.set, f"shm/ready/{k}",
-                         f"{self._seg.name}|{off}|{n}")
+        self._store.call(
+            f"announcing bucket {k}", self._store.store.set, f"shm/ready/{k}", f"{self._seg.name}|{off}|{n}"
+        )
         self._seq += 1
         return _Ack(self, k)
 
@@ -211,7 +213,7 @@ class ShmTrainer:
         for key in (f"shm/ready/{k}", f"shm/ack/{k}", f"shm/acked/{k}"):
             try:
                 store.delete_key(key)
-            except Exception:  # noqa: BLE001 - housekeeping only
+            except Exception:
                 pass
 
     def close(self) -> None:

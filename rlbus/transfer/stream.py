@@ -90,7 +90,9 @@ def alloc_buffers(nbytes: int, count: int = 2) -> list[torch.Tensor]:
     return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
 
 
-def sole_tensor_bytes(metas: Sequence[ParamMeta], size: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+def sole_tensor_bytes(
+    metas: Sequence[ParamMeta], size: int, tensors: Mapping[str, torch.Tensor]
+) -> torch.Tensor | None:
     """The bytes of a bucket that is exactly one contiguous CPU tensor, as a uint8 view of
     that tensor's own memory (None otherwise). The trainer sends such a bucket from the
     tensor itself; an in_place worker receives it straight into its live parameter."""
@@ -105,8 +107,14 @@ def sole_tensor_bytes(metas: Sequence[ParamMeta], size: int, tensors: Mapping[st
 def scratch_bytes(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pack_every_bucket: bool = False) -> int:
     """The size each of :func:`send_stream`'s two scratch buffers needs for this plan."""
     lookup = _lookup(named)
-    return max((size for k, size in enumerate(p.bucket_sizes)
-                if pack_every_bucket or sole_tensor_bytes(p.per_bucket[k], size, lookup) is None), default=0)
+    return max(
+        (
+            size
+            for k, size in enumerate(p.bucket_sizes)
+            if pack_every_bucket or sole_tensor_bytes(p.per_bucket[k], size, lookup) is None
+        ),
+        default=0,
+    )
 
 
 def packs_every_bucket(tx: TrainerTransfer) -> bool:
@@ -128,9 +136,16 @@ def scratch_pair(tx: TrainerTransfer, need: int) -> list[torch.Tensor]:
     return [pair[:need], pair[need:]]
 
 
-def send_stream(tx: TrainerTransfer, p: Plan, named: Named | Mapping[str, torch.Tensor], *,
-                first: int = 0, last: int | None = None, scratch: Sequence[torch.Tensor] | None = None,
-                pack_every_bucket: bool = False) -> list[str]:
+def send_stream(
+    tx: TrainerTransfer,
+    p: Plan,
+    named: Named | Mapping[str, torch.Tensor],
+    *,
+    first: int = 0,
+    last: int | None = None,
+    scratch: Sequence[torch.Tensor] | None = None,
+    pack_every_bucket: bool = False,
+) -> list[str]:
     """Send buckets ``first..last-1`` of the plan; returns their checksums, in order.
 
     Bucket ``k+1`` is packed (into one of two scratch buffers) and hashed while bucket
@@ -181,8 +196,10 @@ def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.
         end = align_up(end + size)
     if pool is None or pool.numel() < end:
         pool = torch.empty(end, dtype=torch.uint8)
-    buffers = [pack(k, p.per_bucket[k], lookup, pool[off : off + size])
-               for k, (off, size) in enumerate(zip(offsets, p.bucket_sizes))]
+    buffers = [
+        pack(k, p.per_bucket[k], lookup, pool[off : off + size])
+        for k, (off, size) in enumerate(zip(offsets, p.bucket_sizes))
+    ]
     return Packed(plan=p, pool=pool, buffers=buffers, checksums=[checksum(b) for b in buffers])
 
 
@@ -200,10 +217,17 @@ def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
 Landing = Callable[[BucketMeta, Sequence[ParamMeta]], "torch.Tensor | None"]
 
 
-def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], sink: Sink,
-                 *, scratch: list[torch.Tensor] | None = None, landing: Landing | None = None,
-                 into: Mapping[str, torch.Tensor] | None = None,
-                 expected: Sequence[str] | None = None) -> list[str]:
+def recv_buckets(
+    rx: WorkerTransfer,
+    params: Sequence[ParamMeta],
+    buckets: Sequence[BucketMeta],
+    sink: Sink,
+    *,
+    scratch: list[torch.Tensor] | None = None,
+    landing: Landing | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
+    expected: Sequence[str] | None = None,
+) -> list[str]:
     """Receive every bucket, hash it, and call ``sink(name, view)`` per tensor; returns the
     checksums it computed, in order.
 
@@ -261,7 +285,7 @@ def recv_buckets(rx: WorkerTransfer, params: Sequence[ParamMeta], buckets: Seque
             buf = view
         sums.append(checksum(buf))
         copied = into is not None and (view is not None or any(buf.data_ptr() == b.data_ptr() for b in bufs))
-        for name, tensor in (copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k])):
+        for name, tensor in copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k]):
             sink(name, tensor)
         if isinstance(pending, ViewHandle):
             pending.release()
@@ -274,8 +298,12 @@ def verify(got: Sequence[str], expected: Sequence[str]) -> None:
     """ChecksumMismatch unless the received buckets' checksums are exactly the trainer's."""
     bad = [k for k, (g, e) in enumerate(zip(got, expected)) if g != e]
     if len(got) != len(expected):
-        raise ChecksumMismatch(min(len(got), len(expected)), "", "", detail=(
-            f"checksum count: {len(got)} buckets were received, the trainer's checksums cover {len(expected)}"))
+        raise ChecksumMismatch(
+            min(len(got), len(expected)),
+            "",
+            "",
+            detail=(f"checksum count: {len(got)} buckets were received, the trainer's checksums cover {len(expected)}"),
+        )
     if bad:
         raise ChecksumMismatch(bad[0], expected[bad[0]], got[bad[0]], others=tuple(bad[1:]))
 

@@ -35,8 +35,14 @@ class _NotOpen:
 class _WorkHandle:
     """A broadcast in flight; ``wait`` bounds it by the group timeout."""
 
-    def __init__(self, work: dist.Work, init: TransferInit, what: str,
-                 keep: object = None, after: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        work: dist.Work,
+        init: TransferInit,
+        what: str,
+        keep: object = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self._work, self._init, self._what, self._keep, self._after = work, init, what, keep, after
         self._done = False
 
@@ -47,7 +53,7 @@ class _WorkHandle:
             self._work.wait(timedelta(seconds=self._init.timeout_s))
             if self._after is not None:
                 self._after()
-        except Exception as e:  # noqa: BLE001 - gloo/nccl raise RuntimeError/DistError
+        except Exception as e:
             raise timeout_error(self._init, self._what, e) from e
         finally:
             self._keep = None
@@ -94,8 +100,11 @@ class _Group:
             if self.backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
-                dev = (dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-                       if _is_loopback(init.master_addr) else dist.ProcessGroupGloo.create_default_device())
+                dev = (
+                    dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+                    if _is_loopback(init.master_addr)
+                    else dist.ProcessGroupGloo.create_default_device()
+                )
                 opts._devices = [dev]
                 _name(opts, init)
                 # Constructing the gloo group connects the full mesh: it returns only
@@ -114,20 +123,21 @@ class _Group:
                 _WorkHandle(pg.broadcast([probe], _root0()), init, "forming the nccl group").wait()
         except TransferError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise timeout_error(init, f"rank {rank} joining ({self.backend})", e) from e
         self._pg = pg
         self._init = init
 
-    def _broadcast(self, tensor: torch.Tensor, what: str, keep: object = None,
-                   after: Callable[[], None] | None = None) -> Handle:
+    def _broadcast(
+        self, tensor: torch.Tensor, what: str, keep: object = None, after: Callable[[], None] | None = None
+    ) -> Handle:
         with self._lock:
             init = self._init
             try:
                 work = self._pg.broadcast([tensor], _root0())
             except TransferError:
                 raise
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 assert init is not None
                 raise timeout_error(init, what, e) from e
             assert init is not None
@@ -171,7 +181,7 @@ def _destroy(box: list[object], backend: TorchBackend) -> None:
                 try:
                     fn()
                     break
-                except Exception:  # noqa: BLE001 - best effort teardown
+                except Exception:
                     continue
     del pg  # joins the group's threads, which wait for a pending collective
 

@@ -11,8 +11,6 @@ from collections.abc import Callable
 import anyio
 import msgspec
 from nats.aio.client import Client
-
-from rlbus.bus.faults import Fault, fault_of, reply_of
 from rlbus.schemas import (
     ERROR_CODES,
     AnyWorkerCommand,
@@ -26,6 +24,7 @@ from rlbus.schemas import (
     op_of,
 )
 
+from rlbus.bus.faults import Fault, fault_of, reply_of
 
 log = logging.getLogger("rlbus.controller.fanout")
 
@@ -105,4 +104,3 @@ async def fan_out(
             late = fault_of(TimeoutError(), who=f"worker {w}", op=op, timeout=timeout)
             out.failures.append(WorkerFailure(worker_id=w, code=late.code, message=late.message))
     return out
-

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 from nats.aio.client import Client
-
 from rlbus.schemas import (
     AnyWorkerCommand,
     EventKind,
@@ -21,7 +20,6 @@ from rlbus.schemas import (
     Unavailable,
     encode,
 )
-
 from rlbus.services.metrics import ControllerMetrics
 
 from .fanout import Outcome, fan_out
@@ -63,7 +61,11 @@ class Fleet:
         workers = self.ids() if workers is None else workers
         command_id = uuid.uuid4().hex
         out = await fan_out(
-            self.nc, self.subjects, workers, lambda w: build(w, self.epoch, command_id), timeout or self.command_timeout_s
+            self.nc,
+            self.subjects,
+            workers,
+            lambda w: build(w, self.epoch, command_id),
+            timeout or self.command_timeout_s,
         )
         if self.metrics is not None:
             self.metrics.fanned_out(out.op, out.seconds, [(f.worker_id, f.code) for f in out.failures])
@@ -90,7 +92,9 @@ class Fleet:
         )
 
     async def event(self, kind: EventKind, workers: list[str], detail: str = "", session_id: str | None = None) -> None:
-        ev = FleetEvent(event=kind, epoch=self.epoch, workers=workers, detail=detail, session_id=session_id, time=time.time())
+        ev = FleetEvent(
+            event=kind, epoch=self.epoch, workers=workers, detail=detail, session_id=session_id, time=time.time()
+        )
         if self.metrics is not None:
             self.metrics.event(ev)
         try:

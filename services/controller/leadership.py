@@ -59,7 +59,11 @@ class Lease:
     async def try_acquire(self) -> LeaseRecord | None:
         """Take the lease if free or lapsed; None on success, else the current holder."""
         held, rev = await self._read()
-        if held is not None and held.controller_id != self.controller_id and time.time() - held.renewed_at <= self.lease_s:
+        if (
+            held is not None
+            and held.controller_id != self.controller_id
+            and time.time() - held.renewed_at <= self.lease_s
+        ):
             return held
         try:
             if rev:
@@ -71,7 +75,7 @@ class Lease:
             return (await self._read())[0] or LeaseRecord("unknown", time.time())
         return None
 
-    async def acquire(self, on_standby=None) -> None:  # noqa: ANN001
+    async def acquire(self, on_standby=None) -> None:
         """Wait until this controller holds the lease."""
         announced = False
         while True:
@@ -86,7 +90,8 @@ class Lease:
             if not announced:
                 log.warning(
                     "standby: controller %s leads; waiting for its lease (%.0fs) to lapse",
-                    holder.controller_id, self.lease_s,
+                    holder.controller_id,
+                    self.lease_s,
                 )
                 if on_standby is not None:
                     on_standby(holder)

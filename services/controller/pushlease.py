@@ -41,8 +41,11 @@ class PushLeases:
     async def load(self) -> None:
         """After a takeover: the lease in the store, renewed from now."""
         held = await self.store.push_lease()
-        self.held = None if held is None else PushLease(trainer_id=held.trainer_id, renewed_at=time.time(),
-                                                        lease_s=self.lease_s, group=held.group)
+        self.held = (
+            None
+            if held is None
+            else PushLease(trainer_id=held.trainer_id, renewed_at=time.time(), lease_s=self.lease_s, group=held.group)
+        )
         if held is not None and held.group is not None:
             self._groups[held.trainer_id] = held.group
 
@@ -87,7 +90,7 @@ class PushLeases:
             self.held = None
             try:
                 await self.store.put_push_lease(None)
-            except Exception as e:  # noqa: BLE001 - the lease is free here; the record lapses
+            except Exception as e:
                 log.warning("the released push lease was not cleared in the state store: %s", e)
 
     def group_of(self, trainer_id: str | None) -> str | None:

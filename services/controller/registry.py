@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
 from collections.abc import Collection
+from dataclasses import dataclass, field
 
 from rlbus.schemas import Capabilities, Unavailable, VersionInfo, WorkerInfo, WorkerState
 
@@ -104,7 +103,7 @@ class Registry:
         if not caps:
             return Capabilities()
 
-        def same(values: list):  # noqa: ANN202
+        def same(values: list):
             return values[0] if all(v == values[0] for v in values) else None
 
         return Capabilities(

@@ -29,7 +29,6 @@ from typing import TypeVar
 
 import anyio
 import msgspec
-
 from rlbus.schemas import (
     AbortWeightUpdateWorker,
     Backend,
@@ -39,16 +38,16 @@ from rlbus.schemas import (
     InitWeightTransferWorker,
     LeaveWeightTransferWorker,
     OfferWeightsWorker,
-    StartWeightUpdateWorker,
     ParamMeta,
     PrepareWorker,
-    UpdateWeightsWorker,
     RLBusError,
     SendWeightsWorker,
+    StartWeightUpdateWorker,
     TensorChecksum,
     TransferInit,
-    UpdateTarget,
     Unavailable,
+    UpdateTarget,
+    UpdateWeightsWorker,
     encode,
 )
 
@@ -106,7 +105,7 @@ class Repairs:
             for target in ("main", "draft"):
                 try:
                     await self.repair_once(target)  # type: ignore[arg-type]
-                except Exception:  # noqa: BLE001 - the loop must live on; the next pass retries
+                except Exception:
                     log.exception("repair pass for %s failed", target)
 
     # ---- who is behind, who is healthy -------------------------------------------------
@@ -128,17 +127,26 @@ class Repairs:
                 continue
             if target == "main" and ((st.weight_version, st.weight_seq) != (version, seq) or st.dirty):
                 out.append(w)
-            elif target == "draft" and caps.supports_draft_weight_updates and (st.draft_version, st.draft_seq) != (version, seq):
+            elif (
+                target == "draft"
+                and caps.supports_draft_weight_updates
+                and (st.draft_version, st.draft_seq) != (version, seq)
+            ):
                 out.append(w)
         return out
 
     def healthy(self, target: UpdateTarget, behind: list[str]) -> list[str]:
         """Workers that hold exactly the committed `target` weights and serve."""
         reg = self.fleet.registry
-        return [w for w in reg.ids() if w not in behind and not reg.state(w).withheld
-                and reg.capabilities(w).weight_transfer_backend is not None
-                and "weights" not in reg.state(w).sleeping_tags
-                and (target == "main" or reg.capabilities(w).has_draft_model)]
+        return [
+            w
+            for w in reg.ids()
+            if w not in behind
+            and not reg.state(w).withheld
+            and reg.capabilities(w).weight_transfer_backend is not None
+            and "weights" not in reg.state(w).sleeping_tags
+            and (target == "main" or reg.capabilities(w).has_draft_model)
+        ]
 
     # ---- one repair ----------------------------------------------------------------------
 
@@ -158,10 +166,14 @@ class Repairs:
             sources = self.healthy(target, behind)
             backends = {self.fleet.registry.capabilities(w).weight_transfer_backend for w in [*due, *sources]}
             if len(backends) != 1:
-                await self._set_problem(target, f"workers disagree on the transfer backend ({sorted(map(str, backends))})")
+                await self._set_problem(
+                    target, f"workers disagree on the transfer backend ({sorted(map(str, backends))})"
+                )
                 return False
             if not sources:
-                await self._set_problem(target, f"no healthy peer holds the committed {target} weights; waiting for a push")
+                await self._set_problem(
+                    target, f"no healthy peer holds the committed {target} weights; waiting for a push"
+                )
                 return False
             source = self._pick(sources, due, target)
             version, seq = self._committed(target)
@@ -171,7 +183,8 @@ class Repairs:
             try:
                 with anyio.fail_after(self.opts.timeout_s):
                     nbytes = await self._while_alive(
-                        [source, *due], self._repair(source, sources, due, target, backends.pop()))  # type: ignore[arg-type]
+                        [source, *due], self._repair(source, sources, due, target, backends.pop())
+                    )  # type: ignore[arg-type]
             except (RLBusError, TimeoutError) as e:
                 why = e.message if isinstance(e, RLBusError) else f"timed out after {self.opts.timeout_s:g}s"
                 for w in due:
@@ -189,9 +202,21 @@ class Repairs:
                 self._backoff.pop((w, target), None)
             seconds = time.monotonic() - began
             await self._set_problem(target, "")
-            log.info("repaired %s (%s, %s seq %d) from %s: %d bytes in %.2fs", due, target, version, seq, source, nbytes, seconds)
-            await self.fleet.event("worker_repaired", due,
-                                   f"source={source} target={target} version={version} seq={seq} bytes={nbytes} seconds={seconds:.3f}")
+            log.info(
+                "repaired %s (%s, %s seq %d) from %s: %d bytes in %.2fs",
+                due,
+                target,
+                version,
+                seq,
+                source,
+                nbytes,
+                seconds,
+            )
+            await self.fleet.event(
+                "worker_repaired",
+                due,
+                f"source={source} target={target} version={version} seq={seq} bytes={nbytes} seconds={seconds:.3f}",
+            )
             return True
 
     def _pick(self, sources: list[str], due: list[str], target: UpdateTarget) -> str:
@@ -211,18 +236,28 @@ class Repairs:
         out.raise_for_failures("repair (hashing the committed weights)")
         sums = {w: tuple((c.name, c.checksum) for c in a.tensor_checksums) for w, a in out.answers.items()}
         if len(set(sums.values())) != 1:
-            raise Unavailable(f"the healthy workers {sorted(sums)} do not serve the same {target} bits; "
-                              "nothing is repaired from them (push weights, or run verify_weights)")
+            raise Unavailable(
+                f"the healthy workers {sorted(sums)} do not serve the same {target} bits; "
+                "nothing is repaired from them (push weights, or run verify_weights)"
+            )
         return next(iter(out.answers.values())).tensor_checksums
 
-    async def _repair(self, source: str, holders: list[str], receivers: list[str], target: UpdateTarget,
-                      backend: Backend) -> int:
+    async def _repair(
+        self, source: str, holders: list[str], receivers: list[str], target: UpdateTarget, backend: Backend
+    ) -> int:
         """One repair of `receivers` from `source` (the caller holds the lock); bytes sent."""
         version, seq = self._committed(target)
         manifest = await self._manifest(target, holders)
         group = f"rlbus-repair-{uuid.uuid4().hex[:12]}"
-        init = TransferInit(backend=backend, master_addr="", master_port=0, world_size=len(receivers) + 1, rank_offset=1,
-                            group_name=group, timeout_s=min(30.0, self.opts.timeout_s / 2))
+        init = TransferInit(
+            backend=backend,
+            master_addr="",
+            master_port=0,
+            world_size=len(receivers) + 1,
+            rank_offset=1,
+            group_name=group,
+            timeout_s=min(30.0, self.opts.timeout_s / 2),
+        )
         sid = f"repair-{uuid.uuid4().hex[:12]}"
         opened = False
         try:
@@ -232,24 +267,37 @@ class Repairs:
             assert offer is not None
             ranks = {w: 1 + i for i, w in enumerate(receivers)}
             joined = await self.fleet.send(
-                lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=offer.init, rank=ranks[w]),
-                receivers, timeout=init.timeout_s + 5)
+                lambda w, epoch, cid: InitWeightTransferWorker(
+                    epoch=epoch, command_id=cid, init_info=offer.init, rank=ranks[w]
+                ),
+                receivers,
+                timeout=init.timeout_s + 5,
+            )
             joined.raise_for_failures("repair (joining the peer's group)")
-            (await self.fleet.send(stamped(StartWeightUpdateWorker, session_id=sid, target=target), receivers)).raise_for_failures(
-                "repair (opening the session)")
+            (
+                await self.fleet.send(stamped(StartWeightUpdateWorker, session_id=sid, target=target), receivers)
+            ).raise_for_failures("repair (opening the session)")
             opened = True
             checksums: list[str] = []
             for params, buckets, first, last in chunks(offer.params, offer.buckets):
-                got = await self.fleet.send(stamped(UpdateWeightsWorker, session_id=sid, params=params, buckets=buckets), receivers)
+                got = await self.fleet.send(
+                    stamped(UpdateWeightsWorker, session_id=sid, params=params, buckets=buckets), receivers
+                )
                 got.raise_for_failures("repair (metadata)")
                 sent = await self.fleet.send(
-                    stamped(SendWeightsWorker, group_name=group, first=first, last=last), [source], timeout=self.opts.timeout_s)
+                    stamped(SendWeightsWorker, group_name=group, first=first, last=last),
+                    [source],
+                    timeout=self.opts.timeout_s,
+                )
                 sent.raise_for_failures(f"repair (sending from {source})")
                 checksums += sent.answers[source].sent_checksums
             prepared = await self.fleet.send(
-                stamped(PrepareWorker, session_id=sid, checksums=checksums, tensor_checksums=manifest), receivers)
+                stamped(PrepareWorker, session_id=sid, checksums=checksums, tensor_checksums=manifest), receivers
+            )
             prepared.raise_for_failures("repair (verifying against the manifest)")
-            committed = await self.fleet.send(stamped(CommitWorker, session_id=sid, weight_version=version, seq=seq), receivers)
+            committed = await self.fleet.send(
+                stamped(CommitWorker, session_id=sid, weight_version=version, seq=seq), receivers
+            )
             opened = False
             committed.raise_for_failures("repair (commit)")
             await self.updates.review(committed.acks.values())  # quarantined by a decided commit: released
@@ -257,9 +305,10 @@ class Repairs:
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 if opened:
-                    await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="repair failed"), receivers)
+                    await self.fleet.send(
+                        stamped(AbortWeightUpdateWorker, session_id=sid, reason="repair failed"), receivers
+                    )
                 await self.fleet.send(stamped(LeaveWeightTransferWorker, group_name=group), [*receivers, source])
-
 
     async def _while_alive(self, workers: list[str], call: Awaitable[T]) -> T:
         """`call`, given up as soon as one of `workers` leaves the registry (it died or froze:
@@ -269,8 +318,9 @@ class Repairs:
         gone: list[str] = []
 
         async def watch(scope: anyio.CancelScope) -> None:
-            while all(w in self.fleet.registry for w in workers):
-                await anyio.sleep(0.1)  # the registry has no change event of its own; a cheap poll
+            # the registry has no change event of its own: a cheap poll
+            while all(w in self.fleet.registry for w in workers):  # noqa: ASYNC110
+                await anyio.sleep(0.1)
             gone.extend(w for w in workers if w not in self.fleet.registry)
             scope.cancel()
 
@@ -279,7 +329,7 @@ class Repairs:
             tg.start_soon(watch, tg.cancel_scope)
             try:
                 result.append(await call)
-            except Exception as e:  # noqa: BLE001 - raised below as it is, not wrapped in a group
+            except Exception as e:
                 errors.append(e)
             tg.cancel_scope.cancel()
         if errors:
@@ -289,7 +339,9 @@ class Repairs:
         return result[0]
 
 
-def chunks(params: list[ParamMeta], buckets: list[BucketMeta]) -> Iterator[tuple[list[ParamMeta], list[BucketMeta], int, int]]:
+def chunks(
+    params: list[ParamMeta], buckets: list[BucketMeta]
+) -> Iterator[tuple[list[ParamMeta], list[BucketMeta], int, int]]:
     """Consecutive bucket ranges whose metadata stays under META_LIMIT, rebased to start at 0
     (each receive command numbers its buckets 0..n-1): (params, buckets, first, last)."""
     per: list[list[ParamMeta]] = [[] for _ in buckets]
@@ -300,7 +352,11 @@ def chunks(params: list[ParamMeta], buckets: list[BucketMeta]) -> Iterator[tuple
         cost = 64 + sum(len(encode(m)) + 1 for m in per[k]) if k < len(buckets) else 0
         if k == len(buckets) or (k > first and size + cost > META_LIMIT):
             if k > first:
-                yield ([msgspec.structs.replace(m, bucket=m.bucket - first) for j in range(first, k) for m in per[j]],
-                       [msgspec.structs.replace(b, index=b.index - first) for b in buckets[first:k]], first, k)
+                yield (
+                    [msgspec.structs.replace(m, bucket=m.bucket - first) for j in range(first, k) for m in per[j]],
+                    [msgspec.structs.replace(b, index=b.index - first) for b in buckets[first:k]],
+                    first,
+                    k,
+                )
             first, size = k, 0
         size += cost

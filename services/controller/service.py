@@ -20,19 +20,15 @@ import msgspec
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.service import Service
-
 from rlbus.schemas import (
-    UNKNOWN_OP_QUEUE,
-    Capabilities,
     DEFAULT_VERSION,
     SLEEP_TAGS,
+    UNKNOWN_OP_QUEUE,
+    Capabilities,
     ControllerHello,
-    FleetState,
-    FailedPrecondition,
-    refuse,
     FleetAck,
+    FleetState,
     GetServerInfo,
-    StatusWorker,
     Heartbeat,
     IsPaused,
     IsSleeping,
@@ -44,20 +40,22 @@ from rlbus.schemas import (
     ServiceName,
     Sleep,
     SleepWorker,
+    StatusWorker,
     Subjects,
     SyncWorker,
     Unavailable,
+    UpdateWeights,
+    VerifyWeights,
     VersionInfo,
     WakeUp,
     WakeUpWorker,
     WorkerGone,
     WorkerReady,
-    UpdateWeights,
-    VerifyWeights,
     WorkerState,
     encode,
     event_decoder,
     op_of,
+    refuse,
 )
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, NotRunning, Routes
@@ -69,8 +67,8 @@ from .fleet import Fleet, stamped
 from .leadership import Lease, LeaseLost
 from .pushlease import PUSH_LEASE_S
 from .registry import Registry
-from .store import ReplyStore, StateStore
 from .repair import RepairOptions, Repairs
+from .store import ReplyStore, StateStore
 from .updates import Updates
 from .verify import verify_weights
 
@@ -155,7 +153,7 @@ class ControllerService:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         if self.opts.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics.registry, self.opts.metrics_port)
         try:
@@ -164,8 +162,10 @@ class ControllerService:
             if self.metrics_server is not None:
                 self.metrics_server.close()
 
-    async def _run(self, task_status) -> None:  # noqa: ANN001
-        store = await StateStore.open(self.nc, self.subjects.kv_bucket, self.opts.state_replicas, self.opts.state_patience_s)
+    async def _run(self, task_status) -> None:
+        store = await StateStore.open(
+            self.nc, self.subjects.kv_bucket, self.opts.state_replicas, self.opts.state_patience_s
+        )
         lease = self._lease = Lease(store, self.id, self.opts.lease_s)
         async with anyio.create_task_group() as wait:  # standby until the lease is ours, or stop()
 
@@ -186,8 +186,9 @@ class ControllerService:
             # start and every reply names one coherent epoch
             version = msgspec.structs.replace(version, epoch=self.fleet.epoch, time=time.time())
             await store.put_version(version)
-        self.updates = Updates(self.fleet, store, version, unique_versions=self.opts.unique_versions,
-                               push_lease_s=self.opts.push_lease_s)
+        self.updates = Updates(
+            self.fleet, store, version, unique_versions=self.opts.unique_versions, push_lease_s=self.opts.push_lease_s
+        )
         self.updates.withhold = self._resync
         self.repairs = Repairs(self.fleet, self.updates, self.opts.repair)
         await self.updates.leases.load()
@@ -199,9 +200,12 @@ class ControllerService:
             await store.put_desired(self.desired)
             await store.put_session(self.updates.session_id)
             await lease.reclaim()
-            await self.fleet.event("state_lost", self.registry.ids(),
-                                   f"the state bucket was lost and recreated; epoch {self.fleet.epoch} and version "
-                                   f"{self.updates.version.version} written back from the running controller")
+            await self.fleet.event(
+                "state_lost",
+                self.registry.ids(),
+                f"the state bucket was lost and recreated; epoch {self.fleet.epoch} and version "
+                f"{self.updates.version.version} written back from the running controller",
+            )
 
         store.on_lost = write_back
         orphan = await store.session()
@@ -211,7 +215,9 @@ class ControllerService:
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
             await store.put_session(None)
-        replies = await ReplyStore.open(self.nc, self.subjects.replies_bucket, self.opts.reply_ttl_s, self.opts.state_replicas)
+        replies = await ReplyStore.open(
+            self.nc, self.subjects.replies_bucket, self.opts.reply_ttl_s, self.opts.state_replicas
+        )
         async with anyio.create_task_group() as tg:
             self._tg = tg
             eps = Endpoints(tg, "controller", durable=replies)
@@ -227,10 +233,15 @@ class ControllerService:
             leading = self._leading(lease, {r.handler for r in routes if not r.read})
             await eps.serve(group, routes, wrap=lambda handler: self._measured(leading(handler)))
             subs = [
-                await self.nc.subscribe(f"{self.subjects.control_group}.*", queue=UNKNOWN_OP_QUEUE,
-                                        cb=Endpoints.unknown(self.nc, routes.ops())),
-                *[await self.nc.subscribe(self.subjects.worker_events(kind), cb=self._on_worker_event)  # type: ignore[arg-type]
-                  for kind in ("ready", "heartbeat", "gone")],
+                await self.nc.subscribe(
+                    f"{self.subjects.control_group}.*",
+                    queue=UNKNOWN_OP_QUEUE,
+                    cb=Endpoints.unknown(self.nc, routes.ops()),
+                ),
+                *[
+                    await self.nc.subscribe(self.subjects.worker_events(kind), cb=self._on_worker_event)  # type: ignore[arg-type]
+                    for kind in ("ready", "heartbeat", "gone")
+                ],
             ]
             await self.nc.flush()
             await self._hello()
@@ -252,26 +263,28 @@ class ControllerService:
                         await lease.release()  # a standby takes over at once
             tg.cancel_scope.cancel()
 
-    def _leading(self, lease: Lease, writes: set[Callable[..., Awaitable[object]]]):  # noqa: ANN202
+    def _leading(self, lease: Lease, writes: set[Callable[..., Awaitable[object]]]):
         """Around every state-changing handler: renew the lease first (a compare-and-set in the
         state store). Without quorum (nodes down, a partition) the command is UNAVAILABLE before
         anything is dispatched; with the lease taken, this controller steps down."""
 
-        def wrap(handler):  # noqa: ANN001, ANN202
+        def wrap(handler):
             if handler not in writes:
 
-                async def reading(cmd):  # noqa: ANN001, ANN202
+                async def reading(cmd):
                     self.updates.leases.touch(cmd.trainer_id)  # any command of the push lease's holder renews it
                     return await handler(cmd)
 
                 return reading
 
-            async def leading(cmd):  # noqa: ANN001, ANN202
+            async def leading(cmd):
                 try:
                     await lease.confirm()
                 except LeaseLost as e:
                     self._step_down(e)
-                    raise Unavailable(f"controller {self.id} no longer leads ({e}); the leader answers a retry") from None
+                    raise Unavailable(
+                        f"controller {self.id} no longer leads ({e}); the leader answers a retry"
+                    ) from None
                 self.updates.leases.touch(cmd.trainer_id)
                 return await handler(cmd)
 
@@ -279,10 +292,10 @@ class ControllerService:
 
         return wrap
 
-    def _measured(self, handler):  # noqa: ANN001, ANN202
+    def _measured(self, handler):
         """Around every handler: its answer time, and the weight bytes an update announced."""
 
-        async def measured(cmd):  # noqa: ANN001, ANN202
+        async def measured(cmd):
             began = time.monotonic()
             ok = False
             try:
@@ -299,7 +312,9 @@ class ControllerService:
     # what the metrics read at scrape time (services/metrics.py: ControllerView)
 
     def metrics_version(self) -> VersionInfo:
-        return self.updates.version if not isinstance(self.updates, _NotLeading) else VersionInfo(version=DEFAULT_VERSION)
+        return (
+            self.updates.version if not isinstance(self.updates, _NotLeading) else VersionInfo(version=DEFAULT_VERSION)
+        )
 
     def metrics_workers(self) -> list[WorkerState]:
         return [self.registry.state(w) for w in self.registry.ids()]
@@ -327,7 +342,9 @@ class ControllerService:
 
     async def _hello(self) -> None:
         self._last_hello = time.monotonic()
-        await self.nc.publish(self.subjects.controller_hello, encode(ControllerHello(epoch=self.epoch, controller_id=self.id)))
+        await self.nc.publish(
+            self.subjects.controller_hello, encode(ControllerHello(epoch=self.epoch, controller_id=self.id))
+        )
 
     async def _sweep(self) -> None:
         while True:
@@ -341,7 +358,7 @@ class ControllerService:
     async def _drop_lapsed_lease(self) -> None:
         try:
             await self.updates.drop_lapsed_lease()
-        except Exception as e:  # noqa: BLE001 - the store away: the next sweep retries
+        except Exception as e:
             log.warning("could not release a lapsed push lease: %s", e)
         finally:
             self._dropping_lease = False
@@ -363,7 +380,7 @@ class ControllerService:
         while not predicate(self.registry):
             await self._changed.wait()
 
-    async def _on_worker_event(self, msg) -> None:  # noqa: ANN001
+    async def _on_worker_event(self, msg) -> None:
         try:
             ev = event_decoder.decode(msg.data)
         except DecodeError:
@@ -392,7 +409,9 @@ class ControllerService:
         controller does not (an orphan from before a restart)."""
         w = state.worker_id
         async with self.fleet.lock:
-            if state.epoch > self.fleet.epoch or (state.epoch == self.fleet.epoch and state.controller_id not in ("", self.id)):
+            if state.epoch > self.fleet.epoch or (
+                state.epoch == self.fleet.epoch and state.controller_id not in ("", self.id)
+            ):
                 if not await self._still_leading(state):
                     return
                 await self._recover_lost_state(state)
@@ -415,7 +434,8 @@ class ControllerService:
             await self.fleet.event("worker_reconciled", [w], changed)
         if synced.withheld:
             await self.fleet.event(
-                "worker_stale", [w],
+                "worker_stale",
+                [w],
                 f"holds {synced.weight_version} (seq {synced.weight_seq}), committed is {self.version.version} "
                 f"(seq {self.version.seq}); push weights to bring it in step"
                 + (" (quarantined: it missed a decided commit)" if w in self.updates.quarantined else ""),
@@ -428,9 +448,16 @@ class ControllerService:
         """Bring `workers` to the desired state and the committed version (the caller holds the
         lock): one that does not hold exactly the committed (version, seq) stops serving."""
         return await self.fleet.send(
-            stamped(SyncWorker, committed_version=self.version.version, seq=self.version.seq, desired=self.desired,
-                    liveness_s=self.opts.liveness_timeout_s, controller_id=self.id),
-            workers, timeout=min(5.0, self.opts.command_timeout_s),
+            stamped(
+                SyncWorker,
+                committed_version=self.version.version,
+                seq=self.version.seq,
+                desired=self.desired,
+                liveness_s=self.opts.liveness_timeout_s,
+                controller_id=self.id,
+            ),
+            workers,
+            timeout=min(5.0, self.opts.command_timeout_s),
         )
 
     async def _resync(self, workers: list[str]) -> None:
@@ -448,8 +475,12 @@ class ControllerService:
             self._step_down(e)
             return False
         except Unavailable as e:  # no quorum here: admit nobody now; the worker announces itself again
-            log.warning("worker %s obeys epoch %d, and this controller cannot confirm its lease: %s",
-                        state.worker_id, state.epoch, e)
+            log.warning(
+                "worker %s obeys epoch %d, and this controller cannot confirm its lease: %s",
+                state.worker_id,
+                state.epoch,
+                e,
+            )
             return False
         return True
 
@@ -460,10 +491,12 @@ class ControllerService:
         lost_epoch = self.fleet.epoch
         self.fleet.epoch = await self.store.take_epoch(above=state.epoch)
         self.updates.forget_version(state.weight_seq)
-        detail = (f"worker {state.worker_id} obeyed epoch {state.epoch} of controller {state.controller_id or '?'} but "
-                  f"the state store gave this controller {lost_epoch}: "
-                  f"the controller state was lost; now epoch {self.fleet.epoch}. The committed version is unknown: "
-                  "workers serve nothing until a push commits one")
+        detail = (
+            f"worker {state.worker_id} obeyed epoch {state.epoch} of controller {state.controller_id or '?'} but "
+            f"the state store gave this controller {lost_epoch}: "
+            f"the controller state was lost; now epoch {self.fleet.epoch}. The committed version is unknown: "
+            "workers serve nothing until a push commits one"
+        )
         log.error("%s", detail)
         await self._hello()  # the others re-announce and are synced under the new epoch
         await self.fleet.event("state_lost", [state.worker_id], detail)
@@ -500,7 +533,7 @@ class ControllerService:
         async def save() -> None:
             try:
                 await persist
-            except Exception as e:  # noqa: BLE001 - raised below, unwrapped
+            except Exception as e:
                 errors.append(e)
 
         async with anyio.create_task_group() as tg:
@@ -517,15 +550,18 @@ class ControllerService:
         async with self.fleet.lock:
             out = await self._alongside(
                 self._desire(paused=True, pause_mode=cmd.mode, paused_since=self.desired.paused_since or time.time()),
-                self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})"))
+                self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})"),
+            )
         await self.fleet.event("paused", sorted(out.acks), cmd.mode)
         return self.updates.ack(out)
 
     async def _resume(self, cmd: Resume) -> FleetAck:
         async with self.fleet.lock:
             self.updates.refuse_resume()
-            out = await self._alongside(self._desire(paused=False, pause_mode=None, paused_since=None),
-                                        self.fleet.send_all(stamped(ResumeWorker), "resume"))
+            out = await self._alongside(
+                self._desire(paused=False, pause_mode=None, paused_since=None),
+                self.fleet.send_all(stamped(ResumeWorker), "resume"),
+            )
         await self.fleet.event("resumed", sorted(out.acks))
         return self.updates.ack(out)
 
@@ -534,15 +570,19 @@ class ControllerService:
             workers = self.fleet.ids()
             no_sleep = [w for w in workers if not self.registry.capabilities(w).sleep_mode_enabled]
             if no_sleep:
-                raise refuse(f"workers {no_sleep} were started without sleep mode; restart them with --enable-sleep-mode",
-                             dict.fromkeys(no_sleep, "started without sleep mode"))
+                raise refuse(
+                    f"workers {no_sleep} were started without sleep mode; restart them with --enable-sleep-mode",
+                    dict.fromkeys(no_sleep, "started without sleep mode"),
+                )
             # refuse before anything changes: a worker with requests in flight cannot sleep
             status = await self.fleet.send(stamped(StatusWorker), workers)
             status.raise_for_failures("sleep (status check)")
             busy = {w: st.in_flight for w, st in status.acks.items() if st.in_flight}
             if busy:
-                raise refuse(f"requests are in flight on {sorted(busy)}; pause with mode='abort' or 'wait' before sleeping",
-                             {w: f"{n} requests in flight" for w, n in busy.items()})
+                raise refuse(
+                    f"requests are in flight on {sorted(busy)}; pause with mode='abort' or 'wait' before sleeping",
+                    {w: f"{n} requests in flight" for w, n in busy.items()},
+                )
             out = await self.fleet.send(stamped(SleepWorker, level=cmd.level, tags=cmd.tags), workers)
             if not out.ok and out.acks and cmd.level == 1:
                 # all or nothing: wake the workers that did fall asleep

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
-
 from rlbus.schemas import ErrorCode, UpdateTarget
 
 
@@ -130,9 +129,15 @@ def step(state: SessionState, event: Event) -> Step:
         case Idle(), Start(session_id=sid, target=target, epoch=epoch):
             return Step(state=Open(session_id=sid, target=target, epoch=epoch))
         case Idle(), Update():
-            return _refuse(state, "FAILED_PRECONDITION", "no weight update session is open; call start_weight_update() first")
+            return _refuse(
+                state, "FAILED_PRECONDITION", "no weight update session is open; call start_weight_update() first"
+            )
         case Idle(), Finish():
-            return _refuse(state, "FAILED_PRECONDITION", "finish_weight_update() without a session; call start_weight_update() first")
+            return _refuse(
+                state,
+                "FAILED_PRECONDITION",
+                "finish_weight_update() without a session; call start_weight_update() first",
+            )
         case Idle(), Decide():
             return _refuse(state, "INTERNAL", "a commit decided with no session finishing")
         case Idle(), (Abort() | WorkerLost() | SleepWeights() | CommitDone() | Failed() | VersionSet()):
@@ -145,20 +150,30 @@ def step(state: SessionState, event: Event) -> Step:
             )
         case Open(), Update(session_id=sid):
             if _mismatch(state, sid):
-                return _refuse(state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}")
+                return _refuse(
+                    state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}"
+                )
             return Step(state=Open(state.session_id, state.target, state.epoch, state.updates + 1))
         case Open(), Finish(version=version, session_id=sid):
             if _mismatch(state, sid):
-                return _refuse(state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}")
+                return _refuse(
+                    state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}"
+                )
             return Step(state=Committing(state.session_id, state.target, state.epoch, version))
         case Open(), Abort(session_id=sid):
             if _mismatch(state, sid):
-                return _refuse(state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}")
+                return _refuse(
+                    state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}"
+                )
             return Step(state=Idle(), abort_workers=True)
         case Open(), (WorkerLost() | SleepWeights() | Failed()):
             return Step(state=Idle(), abort_workers=True)
         case Open(), VersionSet():
-            return _refuse(state, "FAILED_PRECONDITION", f"session {state.session_id} is open; finish or abort it before setting the version")
+            return _refuse(
+                state,
+                "FAILED_PRECONDITION",
+                f"session {state.session_id} is open; finish or abort it before setting the version",
+            )
         case Open(), (CommitDone() | Decide()):
             return _refuse(state, "INTERNAL", "commit reported for a session that is not finishing")
         case Committing(), Decide(seq=seq):
@@ -172,10 +187,16 @@ def step(state: SessionState, event: Event) -> Step:
         case Decided(), CommitDone():
             return Step(state=Idle())
         case Decided(), (Failed() | WorkerLost()):
-            return _refuse(state, "FAILED_PRECONDITION",
-                           f"session {state.session_id} is decided (seq {state.seq}): it commits; a worker that fails is "
-                           "quarantined, nothing is aborted")
+            return _refuse(
+                state,
+                "FAILED_PRECONDITION",
+                f"session {state.session_id} is decided (seq {state.seq}): it commits; a worker that fails is "
+                "quarantined, nothing is aborted",
+            )
         case Decided(), _:
-            return _refuse(state, "FAILED_PRECONDITION",
-                           f"session {state.session_id} is decided (seq {state.seq}) and committing; wait for it")
+            return _refuse(
+                state,
+                "FAILED_PRECONDITION",
+                f"session {state.session_id} is decided (seq {state.seq}) and committing; wait for it",
+            )
     raise AssertionError(f"unhandled {state!r} + {event!r}")  # pragma: no cover

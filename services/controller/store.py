@@ -14,12 +14,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import anyio
 import msgspec
 from nats.aio.client import Client
-from nats.js.api import KeyValueConfig, StorageType
-import anyio
 from nats.errors import ConnectionReconnectingError, NoRespondersError, StaleConnectionError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import (
     APIError,
     BadRequestError,
@@ -31,7 +31,6 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
-
 from rlbus.schemas import (
     DEFAULT_VERSION,
     CommitDecision,
@@ -76,14 +75,23 @@ class StateStore:
         self._recovering = False
 
     @classmethod
-    async def open(cls, nc: Client, bucket: str, replicas: int | None = None, patience_s: float = PATIENCE_S) -> "StateStore":
+    async def open(
+        cls, nc: Client, bucket: str, replicas: int | None = None, patience_s: float = PATIENCE_S
+    ) -> StateStore:
         """Open (or create) the bucket; `replicas` defaults to min(3, the cluster's size)."""
-        config = KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE, description="rlbus controller state",
-                                replicas=replicas or default_replicas(nc))
+        config = KeyValueConfig(
+            bucket=bucket,
+            history=16,
+            storage=StorageType.FILE,
+            description="rlbus controller state",
+            replicas=replicas or default_replicas(nc),
+        )
         try:
             kv = await _open_bucket(nc, config)
-        except Exception as e:  # noqa: BLE001
-            raise Unavailable(f"the state store (KV bucket {bucket}) cannot be opened: {type(e).__name__}: {e}") from None
+        except Exception as e:
+            raise Unavailable(
+                f"the state store (KV bucket {bucket}) cannot be opened: {type(e).__name__}: {e}"
+            ) from None
         return cls(nc, kv, config, patience_s)
 
     async def _guard(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
@@ -95,19 +103,22 @@ class StateStore:
                     return await call()
             except NoStreamResponseError:
                 if self._recovering:
-                    raise Unavailable(f"the state store (KV bucket {self.config.bucket}) vanished again while recovering") from None
+                    raise Unavailable(
+                        f"the state store (KV bucket {self.config.bucket}) vanished again while recovering"
+                    ) from None
                 if not await self._bucket_exists():
                     await self._recover()
                     return await call()
                 fault = "no stream leader answered"  # the bucket is there: its leader moves, or it has no quorum
             except (KeyWrongLastSequenceError, KeyNotFoundError, Unavailable):
                 raise
-            except Exception as e:  # noqa: BLE001 - a NATS fault: typed, named
+            except Exception as e:
                 if is_wrong_sequence(e):
                     raise
                 if not _leaderless(e):
-                    raise Unavailable(f"the state store (KV bucket {self.config.bucket}) failed to {what}: "
-                                      f"{type(e).__name__}: {e}") from None
+                    raise Unavailable(
+                        f"the state store (KV bucket {self.config.bucket}) failed to {what}: {type(e).__name__}: {e}"
+                    ) from None
                 fault = f"{type(e).__name__}: {e}"
             # a node lost: the stream elects a new leader (seconds) while the connection moves to a
             # survivor; retried within the patience. Past it, the stream has no quorum.
@@ -119,27 +130,35 @@ class StateStore:
         """Why a call could not `what` within the patience: the connection is down, the server
         does not answer (one replica), or the stream has no quorum."""
         if not self.nc.is_connected:
-            return (f"the state store (KV bucket {self.config.bucket}) is unreachable: this controller's NATS connection "
-                    f"is down (reconnecting); could not {what} within {self.patience_s:g}s")
+            return (
+                f"the state store (KV bucket {self.config.bucket}) is unreachable: this controller's NATS connection "
+                f"is down (reconnecting); could not {what} within {self.patience_s:g}s"
+            )
         if self.config.replicas <= 1:
-            return (f"the state store (KV bucket {self.config.bucket}) does not answer: could not {what} within "
-                    f"{self.patience_s:g}s ({fault}); its NATS server is down or overloaded")
-        return (f"the state store (KV bucket {self.config.bucket}, {self.config.replicas} replicas) has no quorum: "
-                f"could not {what} within {self.patience_s:g}s ({fault}); a majority of its NATS nodes is down or "
-                "cut off from this one. Nothing is committed until they return")
+            return (
+                f"the state store (KV bucket {self.config.bucket}) does not answer: could not {what} within "
+                f"{self.patience_s:g}s ({fault}); its NATS server is down or overloaded"
+            )
+        return (
+            f"the state store (KV bucket {self.config.bucket}, {self.config.replicas} replicas) has no quorum: "
+            f"could not {what} within {self.patience_s:g}s ({fault}); a majority of its NATS nodes is down or "
+            "cut off from this one. Nothing is committed until they return"
+        )
 
     async def _bucket_exists(self) -> bool:
         try:
             await self.nc.jetstream(timeout=1.0).stream_info(f"KV_{self.config.bucket}")
         except NotFoundError:
             return False
-        except Exception:  # noqa: BLE001 - JetStream itself unreachable: not proof of a loss
+        except Exception:
             return True
         return True
 
     async def _recover(self) -> None:
-        log.error("the state store (KV bucket %s) is gone; recreating it and writing back the controller's state",
-                  self.config.bucket)
+        log.error(
+            "the state store (KV bucket %s) is gone; recreating it and writing back the controller's state",
+            self.config.bucket,
+        )
         self._recovering = True
         try:
             self.kv = await _open_bucket(self.nc, self.config)
@@ -272,7 +291,9 @@ async def _open_bucket(nc: Client, config: KeyValueConfig, patience_s: float = O
 def _leaderless(e: Exception) -> bool:
     """A fault of a stream without a leader (or of a connection moving to another node): no
     answer in time, JetStream 503 (no meta leader), the connection reconnecting."""
-    if isinstance(e, (NatsTimeout, TimeoutError, ServiceUnavailableError, ConnectionReconnectingError, StaleConnectionError)):
+    if isinstance(
+        e, (NatsTimeout, TimeoutError, ServiceUnavailableError, ConnectionReconnectingError, StaleConnectionError)
+    ):
         return True
     return isinstance(e, APIError) and e.code == 503
 
@@ -295,9 +316,15 @@ class ReplyStore:
         self.kv = kv
 
     @classmethod
-    async def open(cls, nc: Client, bucket: str, ttl_s: float, replicas: int | None = None) -> "ReplyStore":
-        config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE,
-                                description="rlbus controller answers by command id", replicas=replicas or default_replicas(nc))
+    async def open(cls, nc: Client, bucket: str, ttl_s: float, replicas: int | None = None) -> ReplyStore:
+        config = KeyValueConfig(
+            bucket=bucket,
+            history=1,
+            ttl=ttl_s,
+            storage=StorageType.FILE,
+            description="rlbus controller answers by command id",
+            replicas=replicas or default_replicas(nc),
+        )
         return cls(await _open_bucket(nc, config))
 
     @staticmethod
@@ -306,18 +333,18 @@ class ReplyStore:
 
     async def get(self, command_id: str) -> StoredReply | None:
         try:
-            e = await self.kv.get(self._key(command_id))
+            entry = await self.kv.get(self._key(command_id))
         except KeyNotFoundError:
             return None
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("answer store unreachable (%s); running the command", e)
             return None
-        return _stored.decode(e.value) if e.value else None
+        return _stored.decode(entry.value) if entry.value else None
 
     async def put(self, command_id: str, stored: StoredReply) -> None:
         try:
             await self.kv.put(self._key(command_id), encode(stored))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("answer to command %s not kept in KV: %s", command_id, e)
 
 

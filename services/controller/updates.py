@@ -19,29 +19,28 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 import msgspec
-
 from rlbus.schemas import (
     DEFAULT_VERSION,
+    AbortWeightUpdate,
     AbortWeightUpdateWorker,
     CommitDecision,
-    ControlCommand,
-    AbortWeightUpdate,
     CommitWorker,
+    ControlCommand,
     FailedPrecondition,
     FinishWeightUpdate,
     FleetAck,
-    StatusWorker,
     GetWeightVersion,
     InitWeightTransfer,
-    InvalidArgument,
     InitWeightTransferWorker,
-    StartWeightUpdateWorker,
+    InvalidArgument,
     PrepareWorker,
-    UpdateWeightsWorker,
-    UpdateWeightVersionWorker,
     StartWeightUpdate,
+    StartWeightUpdateWorker,
+    StatusWorker,
     UpdateWeights,
+    UpdateWeightsWorker,
     UpdateWeightVersion,
+    UpdateWeightVersionWorker,
     VersionInfo,
     WorkerFailure,
     WorkerState,
@@ -64,8 +63,15 @@ log = logging.getLogger("rlbus.controller.updates")
 
 
 class Updates:
-    def __init__(self, fleet: Fleet, store: StateStore, version: VersionInfo | None = None, *, unique_versions: bool = False,
-                 push_lease_s: float = PUSH_LEASE_S) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        store: StateStore,
+        version: VersionInfo | None = None,
+        *,
+        unique_versions: bool = False,
+        push_lease_s: float = PUSH_LEASE_S,
+    ) -> None:
         self.fleet = fleet
         self.store = store
         self.leases = PushLeases(store, push_lease_s)
@@ -171,8 +177,9 @@ class Updates:
         """Drop a session a worker holds that this controller does not (from before a restart)."""
         async with self.fleet.lock:
             if session_id != self.session_id:
-                await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=session_id, reason="orphaned session"),
-                                      [worker_id])
+                await self.fleet.send(
+                    stamped(AbortWeightUpdateWorker, session_id=session_id, reason="orphaned session"), [worker_id]
+                )
 
     # ---- the decided commit and its quarantine -------------------------------------------
 
@@ -196,7 +203,9 @@ class Updates:
         """Release every quarantined worker among `states` that now holds the committed bits
         (the trainer's next push reached it, or a repair did). Under the lock."""
         target = self.decision.target if self.decision is not None else "main"
-        released = sorted(s.worker_id for s in states if s.worker_id in self.quarantined and self.holds_committed(s, target))
+        released = sorted(
+            s.worker_id for s in states if s.worker_id in self.quarantined and self.holds_committed(s, target)
+        )
         if released:
             self.quarantined -= set(released)
             await self._keep_quarantine()
@@ -216,14 +225,22 @@ class Updates:
         self.quarantined |= set(missed)
         alive = [f.worker_id for f in failures if f.code not in ("DEADLINE_EXCEEDED", "UNAVAILABLE")]
         if alive:
-            await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=decision.session_id, reason="its commit failed"), alive,
-                                  timeout=min(5.0, self.fleet.command_timeout_s))
+            await self.fleet.send(
+                stamped(AbortWeightUpdateWorker, session_id=decision.session_id, reason="its commit failed"),
+                alive,
+                timeout=min(5.0, self.fleet.command_timeout_s),
+            )
             await self.withhold(alive)
         detail = "; ".join(f"{f.worker_id}: {f.code}: {f.message}" for f in failures)
-        log.error("commit seq %d (%s) stands; quarantined %s: %s", decision.seq, decision.committed.version, missed, detail)
-        await self.fleet.event("worker_quarantined", missed,
-                               f"missed the decided commit seq {decision.seq} ({detail}); withheld until it holds those bits",
-                               session_id=decision.session_id)
+        log.error(
+            "commit seq %d (%s) stands; quarantined %s: %s", decision.seq, decision.committed.version, missed, detail
+        )
+        await self.fleet.event(
+            "worker_quarantined",
+            missed,
+            f"missed the decided commit seq {decision.seq} ({detail}); withheld until it holds those bits",
+            session_id=decision.session_id,
+        )
 
     async def take_over(self, decision: CommitDecision | None, open_session: str | None) -> None:
         """A controller that starts finds the last decision: one its predecessor decided but
@@ -235,8 +252,11 @@ class Updates:
         self.quarantined = set(decision.quarantined)
         if decision.published:
             return
-        log.warning("commit seq %d of session %s was decided by the last controller and not recorded; finishing it",
-                    decision.seq, decision.session_id)
+        log.warning(
+            "commit seq %d of session %s was decided by the last controller and not recorded; finishing it",
+            decision.seq,
+            decision.session_id,
+        )
         self.quarantined |= set(decision.workers)  # each is released once it shows it holds the bits
         await self._record(decision)
         if open_session == decision.session_id:
@@ -255,8 +275,9 @@ class Updates:
         """Send the decided commit to a worker that missed it (under the lock)."""
         d = self.decision
         assert d is not None
-        out = await self.fleet.send(stamped(CommitWorker, session_id=d.session_id, weight_version=d.weight_version, seq=d.seq),
-                                    [worker_id])
+        out = await self.fleet.send(
+            stamped(CommitWorker, session_id=d.session_id, weight_version=d.weight_version, seq=d.seq), [worker_id]
+        )
         if out.failures:
             log.warning("worker %s could not take the decided commit seq %d: %s", worker_id, d.seq, out.failures)
         return out.acks.get(worker_id)
@@ -270,8 +291,11 @@ class Updates:
         self.leases.refuse_others(cmd.trainer_id, what)
         lapsed = self.leases.lapsed()
         if lapsed is not None and lapsed.trainer_id != cmd.trainer_id and isinstance(self.session, S.Open):
-            await self._apply(S.Abort(), f"the push lease of trainer {lapsed.trainer_id!r} lapsed (it sent nothing for "
-                                         f"{lapsed.lease_s:g}s): its session is abandoned")
+            await self._apply(
+                S.Abort(),
+                f"the push lease of trainer {lapsed.trainer_id!r} lapsed (it sent nothing for "
+                f"{lapsed.lease_s:g}s): its session is abandoned",
+            )
         fresh = self.leases.live() is None
         await self.leases.claim(cmd.trainer_id)
         return fresh
@@ -285,11 +309,17 @@ class Updates:
             lapsed = self.leases.lapsed()
             if lapsed is None:
                 return
-            log.warning("the push lease of trainer %r lapsed (nothing from it for %gs); releasing it", lapsed.trainer_id,
-                        lapsed.lease_s)
+            log.warning(
+                "the push lease of trainer %r lapsed (nothing from it for %gs); releasing it",
+                lapsed.trainer_id,
+                lapsed.lease_s,
+            )
             if isinstance(self.session, S.Open):
-                await self._apply(S.Abort(), f"the push lease of trainer {lapsed.trainer_id!r} lapsed (nothing from it "
-                                             f"for {lapsed.lease_s:g}s): its session is abandoned")
+                await self._apply(
+                    S.Abort(),
+                    f"the push lease of trainer {lapsed.trainer_id!r} lapsed (nothing from it "
+                    f"for {lapsed.lease_s:g}s): its session is abandoned",
+                )
             await self.leases.release(lapsed.trainer_id)
 
     async def _keep_lease(self, cmd: ControlCommand, what: str) -> None:
@@ -323,11 +353,15 @@ class Updates:
         backends = {w: registry.capabilities(w).weight_transfer_backend for w in workers}
         missing = [w for w, b in backends.items() if b is None]
         if missing:
-            raise refuse(f"workers {missing} have no weight transfer backend; start them with --weight-transfer-backend",
-                         dict.fromkeys(missing, "no weight transfer backend"))
+            raise refuse(
+                f"workers {missing} have no weight transfer backend; start them with --weight-transfer-backend",
+                dict.fromkeys(missing, "no weight transfer backend"),
+            )
         if len(set(backends.values())) > 1:
-            raise refuse(f"workers disagree on the transfer backend: {backends}",
-                         {w: f"backend {b}" for w, b in backends.items()})
+            raise refuse(
+                f"workers disagree on the transfer backend: {backends}",
+                {w: f"backend {b}" for w, b in backends.items()},
+            )
         fleet_backend = next(iter(backends.values()))
         wanted = cmd.backend or init.backend
         if wanted != fleet_backend or init.backend != fleet_backend:
@@ -340,7 +374,9 @@ class Updates:
         ranks = {w: init.rank_offset + i for i, w in enumerate(workers)}
         timeout = max(self.fleet.command_timeout_s, init.timeout_s + 5)
         out = await self.fleet.send(
-            lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]), workers, timeout=timeout
+            lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]),
+            workers,
+            timeout=timeout,
         )
         out.raise_for_failures("init_weight_transfer")
         await self.leases.claim(cmd.trainer_id, group=init.group_name)  # its start checks the fleet is still there
@@ -386,7 +422,9 @@ class Updates:
                 "(after a level-2 sleep: wake weights -> update -> wake kv_cache)",
                 dict.fromkeys(asleep, "weights asleep"),
             )
-        serving = [w for w in workers if registry.capabilities(w).update_mode == "in_place" and not registry.state(w).paused]
+        serving = [
+            w for w in workers if registry.capabilities(w).update_mode == "in_place" and not registry.state(w).paused
+        ]
         if serving:
             raise refuse(
                 f"workers {serving} update in place (bytes land in the live weights) and are not paused; "
@@ -396,13 +434,19 @@ class Updates:
         sid = uuid.uuid4().hex[:16]
         step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
         try:
-            out = await self.fleet.send(stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq), workers)
+            out = await self.fleet.send(
+                stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq), workers
+            )
         except BaseException:  # the caller's deadline passed: close what opened
             with anyio.CancelScope(shield=True):
-                await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start ran out of time"), workers)
+                await self.fleet.send(
+                    stamped(AbortWeightUpdateWorker, session_id=sid, reason="start ran out of time"), workers
+                )
             raise
         if not out.ok:
-            await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start failed"), list(out.acks))
+            await self.fleet.send(
+                stamped(AbortWeightUpdateWorker, session_id=sid, reason="start failed"), list(out.acks)
+            )
             out.raise_for_failures(f"start_weight_update({target})")
         await self._settle(step.state)
         return out, sid, workers
@@ -424,9 +468,10 @@ class Updates:
             sid = step.state.session_id
             workers = self.fleet.ids()
 
-            def receive(check_only: bool):  # noqa: ANN202
-                return stamped(UpdateWeightsWorker, session_id=sid, params=cmd.params, buckets=cmd.buckets,
-                               check_only=check_only)
+            def receive(check_only: bool):
+                return stamped(
+                    UpdateWeightsWorker, session_id=sid, params=cmd.params, buckets=cmd.buckets, check_only=check_only
+                )
 
             # every worker checks names, dtypes and shapes before any byte moves
             check = await self.fleet.send(receive(True), workers)
@@ -465,7 +510,8 @@ class Updates:
         workers = self.fleet.ids()
         try:
             prepared = await self.fleet.send(
-                stamped(PrepareWorker, session_id=sid, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums), workers
+                stamped(PrepareWorker, session_id=sid, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums),
+                workers,
             )
         except BaseException:  # the caller's deadline passed: the session cannot stay Committing
             with anyio.CancelScope(shield=True):
@@ -478,7 +524,8 @@ class Updates:
         with anyio.CancelScope(shield=True):  # from the decision on, the commit completes (each worker is bounded)
             decision = await self._decide(committing, cmd, workers)
             committed = await self.fleet.send(
-                stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq), workers)
+                stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq), workers
+            )
             return await self._committed(decision, committed)
 
     async def _decide(self, committing: S.Committing, cmd: FinishWeightUpdate, workers: list[str]) -> CommitDecision:
@@ -489,14 +536,38 @@ class Updates:
         seq = self._next_seq(main)
         version, sid, now = committing.version, committing.session_id, time.time()
         if main:
-            new = msgspec.structs.replace(self.version, version=version or self.version.version, seq=seq,
-                                          epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=now)
+            new = msgspec.structs.replace(
+                self.version,
+                version=version or self.version.version,
+                seq=seq,
+                epoch=self.fleet.epoch,
+                session_id=sid,
+                workers=len(workers),
+                time=now,
+            )
         else:
-            new = msgspec.structs.replace(self.version, draft_version=version or self.version.draft_version, draft_seq=seq,
-                                          epoch=self.fleet.epoch, session_id=sid, workers=len(workers), time=now)
-        decision = CommitDecision(session_id=sid, target=committing.target, weight_version=version, seq=seq, committed=new,
-                                  workers=workers, checksums=cmd.checksums, tensor_checksums=cmd.tensor_checksums,
-                                  quarantined=sorted(self.quarantined), epoch=self.fleet.epoch, time=now)
+            new = msgspec.structs.replace(
+                self.version,
+                draft_version=version or self.version.draft_version,
+                draft_seq=seq,
+                epoch=self.fleet.epoch,
+                session_id=sid,
+                workers=len(workers),
+                time=now,
+            )
+        decision = CommitDecision(
+            session_id=sid,
+            target=committing.target,
+            weight_version=version,
+            seq=seq,
+            committed=new,
+            workers=workers,
+            checksums=cmd.checksums,
+            tensor_checksums=cmd.tensor_checksums,
+            quarantined=sorted(self.quarantined),
+            epoch=self.fleet.epoch,
+            time=now,
+        )
         step = self._advance(S.Decide(seq))
         try:
             await self.store.put_decision(decision)
@@ -526,8 +597,12 @@ class Updates:
         await self.store.put_decision(self.decision)
         if isinstance(self.session, S.Decided) and self.session.session_id == decision.session_id:
             await self._settle(self._advance(S.CommitDone()).state)
-        await self.fleet.event("session_committed", decision.workers, new.version if decision.target == "main"
-                               else new.draft_version or "", session_id=decision.session_id)
+        await self.fleet.event(
+            "session_committed",
+            decision.workers,
+            new.version if decision.target == "main" else new.draft_version or "",
+            session_id=decision.session_id,
+        )
 
     async def _refuse_a_used_version(self, version: str) -> None:
         """With unique_versions on: refuse a version string that was committed before (the
@@ -579,13 +654,19 @@ class Updates:
             await self._refuse_a_used_version(cmd.new_version)
             workers = self.fleet.ids()
             seq = self.version.seq + 1
-            out = await self.fleet.send(stamped(UpdateWeightVersionWorker, new_version=cmd.new_version, seq=seq),
-                                        workers)
+            out = await self.fleet.send(
+                stamped(UpdateWeightVersionWorker, new_version=cmd.new_version, seq=seq), workers
+            )
             out.raise_for_failures("update_weight_version")
             await self._commit_version(
                 msgspec.structs.replace(
-                    self.version, version=cmd.new_version, seq=seq, epoch=self.fleet.epoch, session_id=None,
-                    workers=len(workers), time=time.time(),
+                    self.version,
+                    version=cmd.new_version,
+                    seq=seq,
+                    epoch=self.fleet.epoch,
+                    session_id=None,
+                    workers=len(workers),
+                    time=time.time(),
                 )
             )
             return self.ack(out)
@@ -599,7 +680,8 @@ class Updates:
             for w, v in sorted(seen.items()):
                 groups.setdefault(v, []).append(w)
             raise refuse(
-                "workers disagree on the weight version: " + "; ".join(f"{v}: {ws}" for v, ws in groups.items())
+                "workers disagree on the weight version: "
+                + "; ".join(f"{v}: {ws}" for v, ws in groups.items())
                 + f" (committed: {self.version.version}); push weights again to bring them in step",
                 {w: f"holds {v}" for w, v in seen.items() if v != self.version.version},
             )

@@ -51,12 +51,24 @@ def compare(out: Outcome, cmd: VerifyWeights) -> WeightCheck:
         if differs:
             mismatched.append(w)
         state = out.acks[w]
-        workers.append(WorkerWeights(
-            worker_id=w, weight_version=state.weight_version, weight_seq=state.weight_seq, tensors=len(held[w]),
-            digest=digests[w], differs=differs[:MAX_NAMED],
-        ))
-    return WeightCheck(ok=not mismatched, target=cmd.target, reference=kind, mismatched=mismatched, workers=workers,
-                       seconds=max(out.seconds.values(), default=0.0))
+        workers.append(
+            WorkerWeights(
+                worker_id=w,
+                weight_version=state.weight_version,
+                weight_seq=state.weight_seq,
+                tensors=len(held[w]),
+                digest=digests[w],
+                differs=differs[:MAX_NAMED],
+            )
+        )
+    return WeightCheck(
+        ok=not mismatched,
+        target=cmd.target,
+        reference=kind,
+        mismatched=mismatched,
+        workers=workers,
+        seconds=max(out.seconds.values(), default=0.0),
+    )
 
 
 def _sums(checksums: list[TensorChecksum]) -> dict[str, str]:

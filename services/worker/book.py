@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import msgspec
-
 from rlbus.schemas import DEFAULT_VERSION, UpdateTarget
 
 

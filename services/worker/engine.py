@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 import torch
-
 from rlbus.schemas import SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument, Unavailable
 
@@ -160,7 +159,9 @@ class Engine(abc.ABC):
                 f"({self.book.main.version}); retry"
             )
         if self._sleeping:
-            raise FailedPrecondition(f"engine is asleep ({', '.join(sorted(self._sleeping))}); call wake_up() before generating")
+            raise FailedPrecondition(
+                f"engine is asleep ({', '.join(sorted(self._sleeping))}); call wake_up() before generating"
+            )
         if not self.weights_loaded:
             raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
         if self.book.dirty:
@@ -218,7 +219,9 @@ class Engine(abc.ABC):
         if level not in (1, 2):
             raise InvalidArgument(f"sleep level must be 1 or 2, not {level}")
         if busy := self._active():
-            raise FailedPrecondition(f"{busy} requests are in flight; pause with mode='abort' or 'wait' before sleeping")
+            raise FailedPrecondition(
+                f"{busy} requests are in flight; pause with mode='abort' or 'wait' before sleeping"
+            )
         if self.sleeps_tags_together and set(tags) != set(SLEEP_TAGS):
             raise FailedPrecondition("this engine sleeps weights and KV cache together; sleep with tags=None (both)")
         todo = [t for t in SLEEP_TAGS if t in tags and t not in self._sleeping]
@@ -257,8 +260,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
-        *, loaded: Callable[[], None] = lambda: None,
+        self,
+        target: UpdateTarget,
+        tensors: Mapping[str, torch.Tensor],
+        written: set[str] | None = None,
+        *,
+        loaded: Callable[[], None] = lambda: None,
     ) -> None:
         """Copy tensors into the model between forward steps. `written`: parameters already
         written in place (in_place mode); together they may complete a level-2 reload.

@@ -14,12 +14,12 @@ from typing import Literal
 
 import anyio
 import torch
-
-from rlbus.schemas.errors import FailedPrecondition
 from rlbus.schemas import GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas.errors import FailedPrecondition
+
+from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 
 from .engine import Engine, ParamSpec, check_generate_request
-from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 
 StaleDraftPolicy = Literal["keep", "disable"]
 
@@ -182,7 +182,9 @@ class ReferenceEngine(Engine):
 
     def _check_request(self, req: GenerateRequest) -> None:
         cfg = self.config
-        check_generate_request(req, vocab_size=cfg.vocab_size, max_len=cfg.max_seq_len, max_len_name="the model's max_seq_len")
+        check_generate_request(
+            req, vocab_size=cfg.vocab_size, max_len=cfg.max_seq_len, max_len_name="the model's max_seq_len"
+        )
 
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         self._check_request(request)
@@ -222,10 +224,12 @@ class ReferenceEngine(Engine):
                 self._refuse_if_unservable()
                 remaining = request.max_tokens - st.produced
                 if self._speculating(request) and remaining > 1:
-                    await anyio.to_thread.run_sync(self._spec_round, st, min(self.num_speculative_tokens, remaining - 1))
+                    await anyio.to_thread.run_sync(
+                        self._spec_round, st, min(self.num_speculative_tokens, remaining - 1)
+                    )
                 else:
                     await anyio.to_thread.run_sync(self._plain_step, st, request.temperature)
-        out = st.tokens[len(request.prompt_tokens):][: request.max_tokens]
+        out = st.tokens[len(request.prompt_tokens) :][: request.max_tokens]
         self.spec_proposed += st.proposed
         self.spec_accepted += st.accepted
         return GenerateReply(
@@ -347,8 +351,12 @@ class ReferenceEngine(Engine):
         return {n: p.data for n, p in self._part(target).model.named_parameters()}
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
-        *, loaded: Callable[[], None] = lambda: None,
+        self,
+        target: UpdateTarget,
+        tensors: Mapping[str, torch.Tensor],
+        written: set[str] | None = None,
+        *,
+        loaded: Callable[[], None] = lambda: None,
     ) -> None:
         part = self._part(target)
         async with self._model_lock:
@@ -368,4 +376,3 @@ class ReferenceEngine(Engine):
                 self.draft_stale = False
             loaded()  # still under the model lock: no step runs on these weights before it
         self._changes.notify()
-

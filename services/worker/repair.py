@@ -15,8 +15,8 @@ import os
 import threading
 
 import torch
-
 from rlbus.schemas import Aborted, Backend, FailedPrecondition, RepairOffer, TransferInit, UpdateTarget
+
 from rlbus.transfer.base import TrainerTransfer, TransferError, detached
 from rlbus.transfer.factory import trainer_transfer
 from rlbus.transfer.stream import Plan, packs_every_bucket, prepare, scratch_bytes, scratch_pair, send_stream
@@ -33,7 +33,9 @@ MAX_TENSORS_PER_BUCKET = 512
 
 
 class _Offer:
-    def __init__(self, tx: TrainerTransfer, init: TransferInit, plan: Plan, named: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(
+        self, tx: TrainerTransfer, init: TransferInit, plan: Plan, named: list[tuple[str, torch.Tensor]]
+    ) -> None:
         self.tx, self.init, self.plan, self.named = tx, init, plan, named
         self.opened = threading.Event()
         self.failure: BaseException | None = None
@@ -56,7 +58,9 @@ class RepairSource:
         """Bind rank 0 of `init` (its rendezvous waits for the receivers in a thread) and plan
         the committed tensors. Returns at once."""
         if self.backend is None or init.backend != self.backend:
-            raise FailedPrecondition(f"this worker's backend is {self.backend}, not {init.backend}: it cannot send a repair")
+            raise FailedPrecondition(
+                f"this worker's backend is {self.backend}, not {init.backend}: it cannot send a repair"
+            )
         status = self.engine.status()
         if target == "main" and ("weights" in status.sleeping_tags or not status.weights_loaded):
             raise FailedPrecondition("its weights are asleep or discarded: it cannot be a repair source")
@@ -75,7 +79,7 @@ class RepairSource:
         def open_group() -> None:
             try:
                 tx.open(bound)
-            except BaseException as e:  # noqa: BLE001 - reported by send()
+            except BaseException as e:
                 offer.failure = e
             offer.opened.set()
 
@@ -95,14 +99,23 @@ class RepairSource:
 
         def run() -> list[str]:
             if not offer.opened.wait(offer.init.timeout_s + 1):
-                raise TransferError(f"the receivers did not join repair group {group_name} in {offer.init.timeout_s:g}s")
+                raise TransferError(
+                    f"the receivers did not join repair group {group_name} in {offer.init.timeout_s:g}s"
+                )
             if offer.failure is not None:
                 raise TransferError(f"repair group {group_name} did not form: {offer.failure}")
             every = packs_every_bucket(offer.tx)
             if offer.scratch is None:
                 offer.scratch = scratch_pair(offer.tx, scratch_bytes(offer.plan, offer.named, pack_every_bucket=every))
-            return send_stream(offer.tx, offer.plan, offer.named, first=first, last=last, scratch=offer.scratch,
-                               pack_every_bucket=every)
+            return send_stream(
+                offer.tx,
+                offer.plan,
+                offer.named,
+                first=first,
+                last=last,
+                scratch=offer.scratch,
+                pack_every_bucket=every,
+            )
 
         try:
             return await detached(run, name="rlbus-repair-send")

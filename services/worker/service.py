@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+
 import anyio
 import msgspec
 from nats.aio.client import Client
@@ -17,38 +18,37 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
-
 from rlbus.schemas import (
     SLEEP_TAGS,
     UNDECODABLE_STATUS,
     AbortWeightUpdateWorker,
     Backend,
     Capabilities,
-    FleetState,
     CommitWorker,
     ControllerHello,
     FailedPrecondition,
-    StatusWorker,
+    FleetState,
     HashWeightsWorker,
     Heartbeat,
+    InitWeightTransferWorker,
+    InvalidArgument,
     LeaveWeightTransferWorker,
     OfferWeightsWorker,
-    SendWeightsWorker,
-    InvalidArgument,
-    InitWeightTransferWorker,
-    StartWeightUpdateWorker,
     PauseWorker,
     PrepareWorker,
-    UpdateWeightsWorker,
     ResumeWorker,
     RLBusError,
+    SendWeightsWorker,
     ServiceName,
-    UpdateWeightVersionWorker,
-    Unavailable,
     SleepWorker,
+    StartWeightUpdateWorker,
+    StatusWorker,
     Subjects,
     SyncWorker,
+    Unavailable,
     UpdateMode,
+    UpdateWeightsWorker,
+    UpdateWeightVersionWorker,
     WakeUpWorker,
     WorkerAck,
     WorkerCommand,
@@ -61,14 +61,15 @@ from rlbus.schemas import (
     generate_request_decoder,
     op_of,
 )
-from rlbus.bus.connection import request
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
+from rlbus.bus.connection import request
+
 from .book import Book, WeightLabel
 from .engine import Engine
-from .updates import WeightUpdates
 from .repair import RepairSource
+from .updates import WeightUpdates
 from .verify import hash_weights
 
 log = logging.getLogger("rlbus.worker")
@@ -161,7 +162,7 @@ class WorkerService:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:  # noqa: ANN001
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until stop(); then drain: in-flight requests finish and reply.
 
         Refuses to start (FailedPrecondition naming the id) while another live worker holds
@@ -177,7 +178,9 @@ class WorkerService:
                 description="rlbus inference worker",
                 metadata={"worker_id": self.id, "model": self.engine.model_name},
             )
-            await eps.serve(self._micro.add_group(name=self.subjects.worker_group(self.id)), self._routes(), wrap=self._fenced)
+            await eps.serve(
+                self._micro.add_group(name=self.subjects.worker_group(self.id)), self._routes(), wrap=self._fenced
+            )
             # No unknown-op catch-all here (the controller has one): it would deliver every
             # command twice on the hot path; an unknown worker op gets NATS' no-responders.
             hello = await self.nc.subscribe(self.subjects.controller_hello, cb=self._on_hello)
@@ -202,7 +205,10 @@ class WorkerService:
                     await self.engine.resume()
                 with anyio.move_on_after(2):
                     try:
-                        await self.nc.publish(self.subjects.worker_event(self.id, "gone"), encode(WorkerGone(worker_id=self.id, reason="stopped")))
+                        await self.nc.publish(
+                            self.subjects.worker_event(self.id, "gone"),
+                            encode(WorkerGone(worker_id=self.id, reason="stopped")),
+                        )
                         await self.nc.flush(timeout=2)
                     except Exception as e:
                         log.warning("worker %s: could not say goodbye: %s", self.id, e)
@@ -229,7 +235,9 @@ class WorkerService:
                 f"worker id {self.id!r} is held by a worker that does not answer (frozen or partitioned); "
                 "stop it or pick another --id"
             ) from None
-        raise FailedPrecondition(f"worker id {self.id!r} is already in use by a live worker; stop it or pick another --id")
+        raise FailedPrecondition(
+            f"worker id {self.id!r} is already in use by a live worker; stop it or pick another --id"
+        )
 
     async def _follow_recovery(self) -> None:
         """An engine bringing back its committed weights after a failed load takes no traffic;
@@ -251,8 +259,11 @@ class WorkerService:
         while True:
             await anyio.sleep(self.opts.heartbeat_s)
             if self._silent_too_long() and not self.book.withheld:
-                log.warning("worker %s was silent %.1fs: no generation until the controller reconciles it",
-                            self.id, time.monotonic() - self._last_beat)
+                log.warning(
+                    "worker %s was silent %.1fs: no generation until the controller reconciles it",
+                    self.id,
+                    time.monotonic() - self._last_beat,
+                )
                 await self._withhold(True)
                 await self.announce()
             await self._follow_recovery()
@@ -260,12 +271,13 @@ class WorkerService:
             if self.nc.is_connected:
                 try:
                     await self.nc.publish(
-                        self.subjects.worker_event(self.id, "heartbeat"), encode(Heartbeat(worker_id=self.id, state=self.state()))
+                        self.subjects.worker_event(self.id, "heartbeat"),
+                        encode(Heartbeat(worker_id=self.id, state=self.state())),
                     )
                 except Exception as e:  # reconnecting; the next beat retries
                     log.debug("heartbeat failed: %s", e)
 
-    async def _on_hello(self, msg) -> None:  # noqa: ANN001
+    async def _on_hello(self, msg) -> None:
         try:
             hello = event_decoder.decode(msg.data)
         except DecodeError:
@@ -323,8 +335,9 @@ class WorkerService:
     def _held_state(self) -> FleetState:
         """Where the engine stands, as a target: a command changes one part of it."""
         st = self.engine.status()
-        return FleetState(paused=st.paused, pause_mode=st.pause_mode, sleep_level=st.sleep_level,
-                          sleeping_tags=st.sleeping_tags)
+        return FleetState(
+            paused=st.paused, pause_mode=st.pause_mode, sleep_level=st.sleep_level, sleeping_tags=st.sleeping_tags
+        )
 
     async def converge(self, want: FleetState) -> None:
         """Bring the engine to `want`: paused in its mode (or running), the parts asleep that it
@@ -360,7 +373,9 @@ class WorkerService:
 
     async def _wake_up(self, cmd: WakeUpWorker) -> WorkerAck:
         held, tags = self._held_state(), _tags(cmd.tags)
-        await self.converge(msgspec.structs.replace(held, sleeping_tags=[t for t in held.sleeping_tags if t not in tags]))
+        await self.converge(
+            msgspec.structs.replace(held, sleeping_tags=[t for t in held.sleeping_tags if t not in tags])
+        )
         return self.ack()
 
     # ---- the other commands -----------------------------------------------------------------
@@ -428,7 +443,9 @@ class WorkerService:
 
     async def _offer_weights(self, cmd: OfferWeightsWorker) -> WorkerAck:
         if self.book.withheld:
-            raise FailedPrecondition(f"worker {self.id} is withheld (not on the committed weights): it cannot be a repair source")
+            raise FailedPrecondition(
+                f"worker {self.id} is withheld (not on the committed weights): it cannot be a repair source"
+            )
         return WorkerAck(state=self.state(), offer=self.repair.offer(cmd.target, cmd.init_info))
 
     async def _send_weights(self, cmd: SendWeightsWorker) -> WorkerAck:
@@ -437,15 +454,23 @@ class WorkerService:
     async def _leave_transfer(self, cmd: LeaveWeightTransferWorker) -> WorkerAck:
         if self.repair.group_name == cmd.group_name:
             self.repair.close()
-        if self.updates.init is not None and self.updates.init.group_name == cmd.group_name and self.updates.session is None:
+        if (
+            self.updates.init is not None
+            and self.updates.init.group_name == cmd.group_name
+            and self.updates.session is None
+        ):
             self.updates.teardown()
         return self.ack()
 
     async def _withhold(self, behind: bool) -> None:
         """Withhold this worker from generation while it is behind the committed version."""
         if self.book.withhold(behind):
-            log.log(logging.WARNING if behind else logging.INFO, "worker %s %s", self.id,
-                    "withheld: no generation until it holds the committed weights" if behind else "serves generation")
+            log.log(
+                logging.WARNING if behind else logging.INFO,
+                "worker %s %s",
+                self.id,
+                "withheld: no generation until it holds the committed weights" if behind else "serves generation",
+            )
         await self._serve_generation(not behind)
 
     async def _serve_generation(self, on: bool) -> None:
@@ -456,12 +481,17 @@ class WorkerService:
         """
         if on and self._generate_service is None:
             svc = await add_service(
-                self.nc, name=ServiceName.GENERATE, version=SERVICE_VERSION,
-                description="rlbus generation (reference engine)", metadata={"worker_id": self.id},
+                self.nc,
+                name=ServiceName.GENERATE,
+                version=SERVICE_VERSION,
+                description="rlbus generation (reference engine)",
+                metadata={"worker_id": self.id},
             )
             await svc.add_endpoint(
-                name="generate", subject=self.subjects.generate,
-                queue_group=self.subjects.generate_queue, handler=self._on_generate,
+                name="generate",
+                subject=self.subjects.generate,
+                queue_group=self.subjects.generate_queue,
+                handler=self._on_generate,
             )
             self._generate_service = svc
         elif not on and self._generate_service is not None:
@@ -477,7 +507,9 @@ class WorkerService:
             raise ServiceError(UNDECODABLE_STATUS, f"undecodable generate payload: {e}") from None
 
         if self.book.withheld or self._silent_too_long():  # delivered before it left the queue group
-            await req.respond(encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack()))
+            await req.respond(
+                encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack())
+            )
             return
 
         async def work() -> bytes:

@@ -23,8 +23,6 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import anyio
 import torch
-
-from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from rlbus.schemas import (
     Backend,
     BucketMeta,
@@ -35,6 +33,8 @@ from rlbus.schemas import (
     UpdateTarget,
     version_problem,
 )
+from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
+
 from rlbus.transfer import delta
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer, detached
 from rlbus.transfer.buckets import as_bytes, validate
@@ -149,13 +149,17 @@ class WeightUpdates:
 
     async def join(self, init: TransferInit, rank: int) -> None:
         if self.backend is None:
-            raise FailedPrecondition("this worker has no weight transfer backend; start it with --weight-transfer-backend")
+            raise FailedPrecondition(
+                "this worker has no weight transfer backend; start it with --weight-transfer-backend"
+            )
         if init.backend != self.backend:
             raise FailedPrecondition(f"this worker's backend is {self.backend}, not {init.backend}")
         if not 1 <= rank < init.world_size:
             raise InvalidArgument(f"rank {rank} outside 1..{init.world_size - 1}")
         if self.session is not None:
-            raise FailedPrecondition(f"session {self.session.session_id} is open; finish or abort it before re-initialising")
+            raise FailedPrecondition(
+                f"session {self.session.session_id} is open; finish or abort it before re-initialising"
+            )
         self.teardown()
         self.cancel_join()  # a newer group supersedes one still forming
         rx = worker_transfer(init.backend)
@@ -189,7 +193,9 @@ class WeightUpdates:
     def _open(self, session_id: str) -> _Session:
         s = self.session
         if s is None:
-            raise FailedPrecondition("no weight update session is open on this worker; call start_weight_update() first")
+            raise FailedPrecondition(
+                "no weight update session is open on this worker; call start_weight_update() first"
+            )
         if session_id and session_id != s.session_id:
             raise FailedPrecondition(f"session {session_id} is not this worker's open session {s.session_id}")
         return s
@@ -246,7 +252,7 @@ class WeightUpdates:
             more = f", and {len(problems) - MAX_NAMED_PROBLEMS} more" if len(problems) > MAX_NAMED_PROBLEMS else ""
             raise InvalidArgument(f"{len(problems)} tensors do not match the {s.target} model: {shown}{more}")
 
-    def receive(self, session_id: str, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], tg) -> None:  # noqa: ANN001
+    def receive(self, session_id: str, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], tg) -> None:
         """Start receiving (checked) tensors in the background; prepare() waits for it."""
         self.check(session_id, params, buckets)
         s = self._open(session_id)
@@ -271,9 +277,9 @@ class WeightUpdates:
             is exactly one contiguous tensor) or a fresh buffer that becomes the staged copy."""
             s.check_live()
             if self.mode == "staged":
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-                staged_buffers.add(buf.data_ptr())
-                return buf
+                fresh = torch.empty(bucket.nbytes, dtype=torch.uint8)
+                staged_buffers.add(fresh.data_ptr())
+                return fresh
             buf = sole_tensor_bytes(metas, bucket.nbytes, live)
             if buf is not None:
                 s.touch()
@@ -310,8 +316,14 @@ class WeightUpdates:
             s.received.add(name)
 
         def receive_all() -> list[str]:
-            return recv_buckets(rx, list(params), list(buckets), sink, landing=landing,
-                                into=_Live(s, live) if self.mode == "in_place" else None)
+            return recv_buckets(
+                rx,
+                list(params),
+                list(buckets),
+                sink,
+                landing=landing,
+                into=_Live(s, live) if self.mode == "in_place" else None,
+            )
 
         scope = anyio.CancelScope()
         s.receives.add(scope)
@@ -325,7 +337,7 @@ class WeightUpdates:
                 s.failure = s.failure or e
                 if self.rx is rx:
                     self.teardown()  # a broken group cannot be trusted for the next session
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("receive failed")
                 s.failure = s.failure or e
             finally:
@@ -338,8 +350,14 @@ class WeightUpdates:
 
         tg.start_soon(run)
 
-    async def prepare(self, session_id: str, timeout: float, checksums: Sequence[str] = (), *,
-                      tensor_checksums: Sequence[TensorChecksum] = ()) -> None:
+    async def prepare(
+        self,
+        session_id: str,
+        timeout: float,
+        checksums: Sequence[str] = (),
+        *,
+        tensor_checksums: Sequence[TensorChecksum] = (),
+    ) -> None:
         """Phase 1 of finish: every receive done, every bucket's bytes hash to the trainer's
         checksum (sent with finish, in the order the buckets were sent), and every tensor
         built from a delta hashes to the trainer's checksum of the full result."""

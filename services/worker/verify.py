@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlbus.schemas import FailedPrecondition, TensorChecksum, UpdateTarget
+
 from rlbus.transfer.base import detached
 from rlbus.transfer.buckets import as_bytes
 from rlbus.transfer.checksum import checksum
@@ -15,7 +16,9 @@ async def hash_weights(engine: Engine, target: UpdateTarget) -> list[TensorCheck
     serving). The same checksum the trainer sends with finish, so the two compare directly."""
     status = engine.status()
     if target == "main" and ("weights" in status.sleeping_tags or not status.weights_loaded):
-        raise FailedPrecondition("weights are asleep or discarded here: wake them (and push after a level-2 sleep) first")
+        raise FailedPrecondition(
+            "weights are asleep or discarded here: wake them (and push after a level-2 sleep) first"
+        )
     params = engine.parameters_of(target)  # refuses a target the engine does not have
 
     def run() -> list[TensorChecksum]:

@@ -18,8 +18,9 @@ RATIO = r"\d+\.\d\d"
 
 
 def _run(script: str, *args: str, timeout: float = 180) -> str:
-    out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
-                         timeout=timeout, check=False)
+    out = subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
     assert out.returncode == 0, f"{script} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout
 
@@ -27,19 +28,38 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
 @pytest.mark.parametrize(
     ("script", "args", "expect"),
     [
-        ("transfer.py", ["--size-mb", "4", "--receivers", "1", "--reps", "1", "--bucket-mb", "1", "--shm-bucket-mb", "1"],
-         [rf"rlbus/raw\s+=\s+{RATIO}", rf"rlbus/naive\s+=\s+{RATIO}", rf"shm/memcpy\s+=\s+{RATIO}"]),
-        ("push.py", ["--size-mb", "8", "--receivers", "1", "--reps", "1", "--bucket-mb", "1"],
-         [rf"^\s+1\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}$"]),
-        ("push.py", ["--model", "small", "--size-mb", "8", "--receivers", "1", "--reps", "1", "--bucket-mb", "1"],
-         [rf"^\s+1(\s+{RATIO}){{7}}$"]),
-        ("delta.py", ["--size-mb", "4", "--receivers", "1", "--reps", "1", "--warmup", "1", "--bucket-mb", "1"],
-         [rf"^\s+1\s+1e-06\s+{RATIO}%", rf"^\s+1\s+1e-05\s+{RATIO}%"]),
+        (
+            "transfer.py",
+            ["--size-mb", "4", "--receivers", "1", "--reps", "1", "--bucket-mb", "1", "--shm-bucket-mb", "1"],
+            [rf"rlbus/raw\s+=\s+{RATIO}", rf"rlbus/naive\s+=\s+{RATIO}", rf"shm/memcpy\s+=\s+{RATIO}"],
+        ),
+        (
+            "push.py",
+            ["--size-mb", "8", "--receivers", "1", "--reps", "1", "--bucket-mb", "1"],
+            [rf"^\s+1\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}$"],
+        ),
+        (
+            "push.py",
+            ["--model", "small", "--size-mb", "8", "--receivers", "1", "--reps", "1", "--bucket-mb", "1"],
+            [rf"^\s+1(\s+{RATIO}){{7}}$"],
+        ),
+        (
+            "delta.py",
+            ["--size-mb", "4", "--receivers", "1", "--reps", "1", "--warmup", "1", "--bucket-mb", "1"],
+            [rf"^\s+1\s+1e-06\s+{RATIO}%", rf"^\s+1\s+1e-05\s+{RATIO}%"],
+        ),
         ("control.py", ["--workers", "2", "--rounds", "2"], [rf"^\s+2\s+{RATIO}\s+{RATIO}\s+{RATIO}"]),
-        ("repair.py", ["--size-mb", "8", "--reps", "1", "--bucket-mb", "1"], [rf"^\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}$"]),
+        (
+            "repair.py",
+            ["--size-mb", "8", "--reps", "1", "--bucket-mb", "1"],
+            [rf"^\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}$"],
+        ),
         # at a toy size a worker's fixed allocations dwarf the model: only the table is checked
-        ("memory.py", ["--size-mb", "8", "--bucket-mb", "1", "--pushes", "1"],
-         [rf"^staged\s+\d+Mi.*{RATIO}x", rf"^in_place\s+\d+Mi.*{RATIO}x"]),
+        (
+            "memory.py",
+            ["--size-mb", "8", "--bucket-mb", "1", "--pushes", "1"],
+            [rf"^staged\s+\d+Mi.*{RATIO}x", rf"^in_place\s+\d+Mi.*{RATIO}x"],
+        ),
     ],
     ids=["transfer", "push", "push-small", "delta", "control", "repair", "memory"],
 )

@@ -71,7 +71,7 @@ def _rlbus(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory) -> Iterator[Up]:  # noqa: ANN001
+def up(tmp_path_factory) -> Iterator[Up]:
     stderr = tmp_path_factory.mktemp("up") / "up.log"
     with running_up(["--workers", "2"], _env(), stderr, ("NATS_URL=",)) as (proc, found):
         yield Up(proc, found["NATS_URL="], _children(proc.pid), stderr)
@@ -177,7 +177,6 @@ def test_sigterm_stops_up_and_every_child_and_exits_0(up):
     left = {pid: cmd for pid, cmd in up.children.items() if _alive(pid)}
     assert not left, f"children left running: {left}"
     assert "rlbus up: stopped" in up.log()
-
 
 
 def test_up_with_an_embedded_three_node_cluster_serves_on_every_node(tmp_path):

@@ -19,7 +19,6 @@ from rlbus.runners.natsconfig import read_env_file
 from tests.e2e.upproc import running_up, sigterm_exit_code
 
 
-
 @dataclass
 class SecureUp:
     proc: subprocess.Popen[str]
@@ -42,7 +41,7 @@ def _rlbus(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory) -> Iterator[SecureUp]:  # noqa: ANN001
+def up(tmp_path_factory) -> Iterator[SecureUp]:
     folder = tmp_path_factory.mktemp("up-secure")
     stderr = folder / "up.log"
     args = ["--secure", "--workers", "1", "--config-dir", str(folder / "conf")]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-
 pytestmark = pytest.mark.timeout(400)
 
 
@@ -18,7 +17,9 @@ def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus", "demo", "--steps", "10", "--out", str(out), "--seed", "3"],
-        capture_output=True, text=True, timeout=360,
+        capture_output=True,
+        text=True,
+        timeout=360,
     )
     return proc, out
 

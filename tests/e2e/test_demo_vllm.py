@@ -22,9 +22,25 @@ STEPS = 8
 def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("demo-vllm")
     proc = subprocess.run(
-        [sys.executable, "-m", "rlbus", "demo", "--engine", "vllm", "--workers", "1", "--steps", str(STEPS),
-         "--out", str(out), "--seed", "3"],
-        capture_output=True, text=True, timeout=560,
+        [
+            sys.executable,
+            "-m",
+            "rlbus",
+            "demo",
+            "--engine",
+            "vllm",
+            "--workers",
+            "1",
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(out),
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=560,
     )
     return proc, out
 

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(NODE is None, reason="Node.js is not installed o
 
 def _install() -> None:
     if not (JS / "node_modules" / "nats").is_dir():
-        done = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=JS, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"], cwd=JS, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, f"npm ci failed (the npm registry must be reachable):\n{done.stderr[-3000:]}"
 
 

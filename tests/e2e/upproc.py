@@ -19,11 +19,15 @@ STOP_TIMEOUT_S = 30.0
 
 
 @contextmanager
-def running_up(args: list[str], env: dict[str, str], stderr: Path, keys: tuple[str, ...]) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+def running_up(
+    args: list[str], env: dict[str, str], stderr: Path, keys: tuple[str, ...]
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
     """Start `rlbus up <args>`, yield (process, {key: value}) once every key was printed;
     SIGTERM (then SIGKILL) on exit."""
     with stderr.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "rlbus", "up", *args], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlbus", "up", *args], stdout=subprocess.PIPE, stderr=err, text=True, env=env
+        )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
@@ -45,13 +49,17 @@ def running_up(args: list[str], env: dict[str, str], stderr: Path, keys: tuple[s
                 proc.wait()
 
 
-def _wait_for(proc: subprocess.Popen[str], lines: queue.Queue[str | None], stderr: Path, keys: tuple[str, ...]) -> dict[str, str]:
+def _wait_for(
+    proc: subprocess.Popen[str], lines: queue.Queue[str | None], stderr: Path, keys: tuple[str, ...]
+) -> dict[str, str]:
     deadline = time.monotonic() + READY_TIMEOUT_S
     found: dict[str, str] = {}
     while len(found) < len(keys):
         left = deadline - time.monotonic()
         if left <= 0:
-            pytest.fail(f"`rlbus up` printed only {sorted(found)} within {READY_TIMEOUT_S:g}s:\n{stderr.read_text()[-4000:]}")
+            pytest.fail(
+                f"`rlbus up` printed only {sorted(found)} within {READY_TIMEOUT_S:g}s:\n{stderr.read_text()[-4000:]}"
+            )
         try:
             line = lines.get(timeout=left)
         except queue.Empty:

@@ -11,15 +11,23 @@ import pytest
 
 from tests.looplag import LoopLag
 
-FAULT_MODULES = ("test_faults_", "test_abort_never_blocks", "test_deadlines", "test_reconciliation", "test_failover",
-                 "test_soak", "test_state_loss", "test_idempotency")
+FAULT_MODULES = (
+    "test_faults_",
+    "test_abort_never_blocks",
+    "test_deadlines",
+    "test_reconciliation",
+    "test_failover",
+    "test_soak",
+    "test_state_loss",
+    "test_idempotency",
+)
 LAG_BOUND_S = 1.0
 """Generous on a loaded 2-core box; a blocked loop (a join, a teardown) stalls for the whole
 collective timeout (20-60 s), which this still catches. Tests about blocking set tighter bounds."""
 
 
 @pytest.fixture
-async def raw(nats_server) -> AsyncIterator[nats.aio.client.Client]:  # noqa: ANN001
+async def raw(nats_server) -> AsyncIterator[nats.aio.client.Client]:
     """A bare NATS connection, as `nats req` or a foreign client would use."""
     nc = await nats.connect(nats_server.url)
     yield nc

@@ -17,8 +17,8 @@ import time
 import anyio
 import msgspec
 import pytest
-
 from rlbus.schemas import FleetAck, TransferInit, UpdateWeights
+
 from rlbus.transfer.stream import prepare
 from tests.fleet import fleet_running
 from tests.looplag import LoopLag
@@ -43,7 +43,7 @@ def _receiving_threads() -> int:
     return count
 
 
-async def _metadata_only(fleet, rl) -> None:  # noqa: ANN001
+async def _metadata_only(fleet, rl) -> None:
     """Open a session and send the metadata but not the bytes: every worker starts a receive
     that waits for the trainer's broadcast."""
     await rl.init_weight_transfer(timeout_s=TIMEOUT_S)
@@ -51,13 +51,16 @@ async def _metadata_only(fleet, rl) -> None:  # noqa: ANN001
     plan = prepare(trained(7), 4096)
     waiting = _receiving_threads()
     await rl.call(UpdateWeights(params=plan.params, buckets=plan.buckets), FleetAck)
-    await eventually(lambda: all(w.updates.session is not None and w.updates.session.receiving
-                                 for w in fleet.workers.values()), what="every worker receiving")
-    await eventually(lambda: _receiving_threads() >= waiting + len(fleet.workers),
-                     what="every worker's receive waiting in gloo")
+    await eventually(
+        lambda: all(w.updates.session is not None and w.updates.session.receiving for w in fleet.workers.values()),
+        what="every worker receiving",
+    )
+    await eventually(
+        lambda: _receiving_threads() >= waiting + len(fleet.workers), what="every worker's receive waiting in gloo"
+    )
 
 
-async def _still_serving(fleet, rl, lag: LoopLag, ids: list[str]) -> None:  # noqa: ANN001
+async def _still_serving(fleet, rl, lag: LoopLag, ids: list[str]) -> None:
     """Heartbeats keep every worker registered past the liveness timeout, generation answers
     promptly, and a new push (a new group) commits everywhere."""
     assert fleet.controller is not None
@@ -76,7 +79,10 @@ async def _still_serving(fleet, rl, lag: LoopLag, ids: list[str]) -> None:  # no
 
 
 async def test_an_abort_during_a_pending_receive_returns_at_once_and_the_fleet_keeps_serving(nats_server, prefix):
-    async with fleet_running(nats_server.url, prefix + "-abort", weight_transfer_backend="gloo", model=MODEL) as (f, rl):
+    async with fleet_running(nats_server.url, prefix + "-abort", weight_transfer_backend="gloo", model=MODEL) as (
+        f,
+        rl,
+    ):
         await _metadata_only(f, rl)
         async with LoopLag(LAG_S) as lag:
             t0 = time.perf_counter()
@@ -89,7 +95,10 @@ async def test_an_abort_during_a_pending_receive_returns_at_once_and_the_fleet_k
 
 
 async def test_sleep_during_a_pending_receive_returns_at_once(nats_server, prefix):
-    async with fleet_running(nats_server.url, prefix + "-sleep", weight_transfer_backend="gloo", model=MODEL) as (f, rl):
+    async with fleet_running(nats_server.url, prefix + "-sleep", weight_transfer_backend="gloo", model=MODEL) as (
+        f,
+        rl,
+    ):
         await _metadata_only(f, rl)
         async with LoopLag(LAG_S) as lag:
             t0 = time.perf_counter()
@@ -112,8 +121,9 @@ async def test_stopping_a_worker_during_a_pending_receive_returns_at_once(nats_s
             took = time.perf_counter() - t0
             assert took < PROMPT_S, f"stopping a worker took {took:.1f}s"
             # the controller aborts the session when w0 says goodbye
-            await eventually(lambda: f.workers["w1"].updates.session is None, timeout=PROMPT_S,
-                             what="w1's session aborted")
+            await eventually(
+                lambda: f.workers["w1"].updates.session is None, timeout=PROMPT_S, what="w1's session aborted"
+            )
             await _still_serving(f, rl, lag, ["w1"])
 
 
@@ -153,13 +163,27 @@ def test_closing_a_group_with_a_pending_transfer_returns_at_once_and_the_process
     exits without waiting for the collective timeout."""
     from rlbus.transfer.factory import trainer_transfer, worker_transfer
 
-    proc = subprocess.Popen([sys.executable, "-c", _PENDING, backend, side, str(TIMEOUT_S)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PENDING, backend, side, str(TIMEOUT_S)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     peer = trainer_transfer(backend) if side == "worker" else worker_transfer(backend)
     try:
         if side == "worker":
-            init = peer.bind(TransferInit(backend=backend, master_addr="127.0.0.1", master_port=0, world_size=2,
-                                          rank_offset=1, group_name="pending", timeout_s=TIMEOUT_S))
+            init = peer.bind(
+                TransferInit(
+                    backend=backend,
+                    master_addr="127.0.0.1",
+                    master_port=0,
+                    world_size=2,
+                    rank_offset=1,
+                    group_name="pending",
+                    timeout_s=TIMEOUT_S,
+                )
+            )
             opening = threading.Thread(target=peer.open, args=(init,), daemon=True)
             opening.start()
             proc.stdin.write(msgspec.json.encode(init).decode() + "\n")
@@ -200,18 +224,35 @@ async def test_sigterm_during_a_pending_receive_stops_a_worker_process_at_once(n
     from rlbus.sdk.client import RLClient
 
     p = prefix + "-proc"
-    flags = ["--vocab-size", str(MODEL.vocab_size), "--d-model", str(MODEL.d_model), "--n-layers", str(MODEL.n_layers),
-             "--n-heads", str(MODEL.n_heads), "--max-seq-len", str(MODEL.max_seq_len), "--seed", str(MODEL.seed)]
-    procs = ProcessFleet(nats_server.url, 1, ["--weight-transfer-backend", "gloo", "--prefix", p, "--heartbeat", "0.25", *flags],
-                  ["--prefix", p, "--liveness-timeout", "1.5", "--command-timeout", "10"])
+    flags = [
+        "--vocab-size",
+        str(MODEL.vocab_size),
+        "--d-model",
+        str(MODEL.d_model),
+        "--n-layers",
+        str(MODEL.n_layers),
+        "--n-heads",
+        str(MODEL.n_heads),
+        "--max-seq-len",
+        str(MODEL.max_seq_len),
+        "--seed",
+        str(MODEL.seed),
+    ]
+    procs = ProcessFleet(
+        nats_server.url,
+        1,
+        ["--weight-transfer-backend", "gloo", "--prefix", p, "--heartbeat", "0.25", *flags],
+        ["--prefix", p, "--liveness-timeout", "1.5", "--command-timeout", "10"],
+    )
     procs.start()
     rl = await RLClient.connect(nats_server.url, prefix=p, timeout=30.0)
     try:
+
         async def registered() -> bool:
             procs.check_alive()
             try:
                 return [w.worker_id for w in (await rl.server_info()).workers] == ["worker-0"]
-            except Exception:  # noqa: BLE001 - the controller is still starting
+            except Exception:
                 return False
 
         await eventually(registered, timeout=90, interval=0.1, what="the worker process registered")

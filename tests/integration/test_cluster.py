@@ -11,13 +11,13 @@ from __future__ import annotations
 import anyio
 import nats
 import pytest
+from rlbus.schemas import CommitWorker, FleetEvent, Subjects
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster, NatsServer
-from rlbus.schemas import CommitWorker, FleetEvent, Subjects
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
 from tests.clusterfleet import Published
 from tests.fleet import fleet_running
 from tests.netfaults import Blackhole
@@ -26,7 +26,7 @@ from tests.weights_helpers import MODEL, VersionEvents, assert_holds, new_versio
 
 
 @pytest.fixture(scope="module")
-def cluster():  # noqa: ANN201
+def cluster():
     # clients learn no node but those they were given: a worker behind proxies reconnects through them only
     with NatsCluster(3, no_advertise=True) as c:
         yield c
@@ -48,18 +48,25 @@ async def test_the_state_bucket_is_replicated_on_three_nodes(fleet, cluster):
         await nc.close()
 
 
-def _node_of(cluster: NatsCluster, nc) -> NatsServer:  # noqa: ANN001
+def _node_of(cluster: NatsCluster, nc) -> NatsServer:
     return next(n for n in cluster.nodes if n.port == nc.connected_url.port)
 
 
-async def _everyone_back(f, killed: NatsServer) -> None:  # noqa: ANN001
+async def _everyone_back(f, killed: NatsServer) -> None:
     """The controller and every worker connected to a surviving node and registered (a worker
     that was on the lost node may have been dropped while it reconnected: it rejoins)."""
-    await eventually(lambda: f.controller.nc.is_connected and f.controller.nc.connected_url.port != killed.port, timeout=15,
-                     what="the controller reconnected to a surviving node")
-    await eventually(lambda: all(w.nc.is_connected for w in f.workers.values())
-                     and all(w in f.controller.registry for w in f.workers), timeout=20,
-                     what="every worker reconnected and registered")
+    await eventually(
+        lambda: f.controller.nc.is_connected and f.controller.nc.connected_url.port != killed.port,
+        timeout=15,
+        what="the controller reconnected to a surviving node",
+    )
+    await eventually(
+        lambda: (
+            all(w.nc.is_connected for w in f.workers.values()) and all(w in f.controller.registry for w in f.workers)
+        ),
+        timeout=20,
+        what="every worker reconnected and registered",
+    )
 
 
 async def test_killing_the_controllers_node_loses_nothing(fleet, cluster):
@@ -83,13 +90,18 @@ async def test_killing_the_controllers_node_loses_nothing(fleet, cluster):
 
 
 @pytest.mark.parametrize("when", ["sent", "committed"])
-async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_everywhere(fleet, cluster, monkeypatch, when):
+async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_everywhere(
+    fleet, cluster, monkeypatch, when
+):
     """sent: every byte sent, finish not yet asked; committed: in finish, once every worker
     committed and before the controller recorded the version."""
     f, rl = fleet
     assert f.controller is not None
-    await eventually(lambda: all(n.running() for n in cluster.nodes) and all(w in f.controller.registry for w in f.workers),
-                     timeout=20, what="a whole cluster and fleet")
+    await eventually(
+        lambda: all(n.running() for n in cluster.nodes) and all(w in f.controller.registry for w in f.workers),
+        timeout=20,
+        what="a whole cluster and fleet",
+    )
     old = await rl.get_weight_version_info()
     node = _node_of(cluster, f.controller.nc)
     watcher = next(n for n in cluster.nodes if n is not node)
@@ -99,7 +111,7 @@ async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_every
     if when == "sent":  # hold the trainer before finish, kill, then let it ask
         real = rl.push.finish
 
-        async def finish(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        async def finish(*args, **kw):
             node.kill()
             killed.set()
             return await real(*args, **kw)
@@ -108,7 +120,7 @@ async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_every
     else:  # kill the node under the controller right after phase 2 (CommitWorker) answered
         send = f.controller.fleet.send
 
-        async def send_then_kill(build, workers=None, timeout=None):  # noqa: ANN001, ANN202
+        async def send_then_kill(build, workers=None, timeout=None):
             out = await send(build, workers, timeout)
             ids = workers or f.controller.registry.ids()
             if ids and isinstance(build(ids[0], 0, ""), CommitWorker) and not killed.is_set():
@@ -144,7 +156,9 @@ async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_every
         with anyio.fail_after(60):
             await rl.push_weights(trained(85), nxt)
         await eventually(lambda: nxt in published.versions(), timeout=10, what="the next version published")
-        assert published.versions() == ([version, nxt] if committed else [nxt]), "each commit published exactly once, in order"
+        assert published.versions() == ([version, nxt] if committed else [nxt]), (
+            "each commit published exactly once, in order"
+        )
     info = await rl.get_weight_version_info()
     assert (info.version, info.seq) == (nxt, old.seq + 1 + committed)
     assert all(w.state.weight_version == nxt for w in (await rl.server_info()).workers)
@@ -157,15 +171,23 @@ async def test_a_worker_whose_node_is_killed_reconnects_and_is_reconciled(fleet,
     is reconciled (paused) like any rejoining worker; then a push reaches it."""
     f, rl = fleet
     assert f.controller is not None
-    await eventually(lambda: all(n.running() for n in cluster.nodes) and all(w in f.controller.registry for w in f.workers),
-                     timeout=20, what="a whole cluster and fleet")
+    await eventually(
+        lambda: all(n.running() for n in cluster.nodes) and all(w in f.controller.registry for w in f.workers),
+        timeout=20,
+        what="a whole cluster and fleet",
+    )
     controllers = _node_of(cluster, f.controller.nc)
     nodes = [n for n in cluster.nodes if n is not controllers]
-    async with Blackhole(nodes[0].port) as a, Blackhole(nodes[1].port) as b, \
-            Published(controllers.url, Subjects(prefix=prefix).event("worker_reconciled"), FleetEvent) as reconciled:
+    async with (
+        Blackhole(nodes[0].port) as a,
+        Blackhole(nodes[1].port) as b,
+        Published(controllers.url, Subjects(prefix=prefix).event("worker_reconciled"), FleetEvent) as reconciled,
+    ):
         own = LocalFleet(f"{a.url},{b.url}")
-        w = await own.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id="wx", subjects=rl.subjects, heartbeat_s=0.25,
-                                                                         weight_transfer_backend="gloo"))
+        w = await own.start_worker(
+            ReferenceEngine(MODEL),
+            WorkerOptions(worker_id="wx", subjects=rl.subjects, heartbeat_s=0.25, weight_transfer_backend="gloo"),
+        )
         try:
             await f.wait_for_workers(["wx"])
             on_a = w.nc.connected_url.port == int(a.url.rsplit(":", 1)[1])
@@ -178,8 +200,11 @@ async def test_a_worker_whose_node_is_killed_reconnects_and_is_reconciled(fleet,
             await eventually(lambda: "wx" in f.controller.registry, timeout=30, what="wx reconnected and rejoined")
             assert w.nc.connected_url.port == int(way.url.rsplit(":", 1)[1])
             assert f.controller.registry.state("wx").paused, "reconciled to the paused fleet before it counts"
-            await eventually(lambda: any("wx" in e.workers and "paused" in e.detail for e in reconciled.seen), timeout=5,
-                             what="a worker_reconciled event for wx")
+            await eventually(
+                lambda: any("wx" in e.workers and "paused" in e.detail for e in reconciled.seen),
+                timeout=5,
+                what="a worker_reconciled event for wx",
+            )
             await rl.resume()
             version = new_version("after-worker-node-loss")
             with anyio.fail_after(60):

@@ -49,8 +49,9 @@ class Node:
             self.proc.wait()
 
 
-def _on_loopback(argv: list[str], hosts: dict[str, int], own: int, store: Path, configs: dict[str, Path],
-                 monitor: int) -> list[str]:
+def _on_loopback(
+    argv: list[str], hosts: dict[str, int], own: int, store: Path, configs: dict[str, Path], monitor: int
+) -> list[str]:
     """compose's arguments with host names, ports, the store and the mounted configs replaced for this host."""
     out = []
     for i, a in enumerate(argv):
@@ -70,7 +71,7 @@ def _on_loopback(argv: list[str], hosts: dict[str, int], own: int, store: Path, 
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):  # noqa: ANN201
+def nodes(tmp_path_factory):
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
     names = [n for n, s in services.items() if str(s.get("image", "")).startswith("nats")]
@@ -100,10 +101,12 @@ async def test_the_compose_nats_nodes_form_one_jetstream_cluster(nodes):
     try:
         js = nc.jetstream()
 
-        async def bucket():  # noqa: ANN202 - JetStream answers once the nodes elected a meta leader
+        async def bucket():
             try:
-                return await js.create_key_value(KeyValueConfig(bucket="compose_check", replicas=3, storage=StorageType.FILE))
-            except Exception:  # noqa: BLE001 - not formed yet
+                return await js.create_key_value(
+                    KeyValueConfig(bucket="compose_check", replicas=3, storage=StorageType.FILE)
+                )
+            except Exception:
                 return None
 
         kv = await eventually(bucket, timeout=30, interval=0.25, what="a 3-replica bucket on the compose cluster")

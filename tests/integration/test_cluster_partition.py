@@ -16,16 +16,16 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
+from rlbus.schemas import Subjects
+from rlbus.services.controller.service import ControllerOptions, ControllerService
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
 from rlbus.bus.connection import connect, drain
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
-from rlbus.schemas import Subjects
 from rlbus.sdk.client import RLClient
-from rlbus.services.controller.service import ControllerOptions, ControllerService
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
 from tests.clusterfleet import Published
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
@@ -75,15 +75,23 @@ async def test_a_partitioned_leader_acts_on_nothing_and_the_standby_on_the_major
     def options() -> ControllerOptions:
         # 3 replicas said outright: the leader is given one node's URL, and while the routes form
         # it may not yet know the others (the default counts the nodes a connection knows)
-        return ControllerOptions(subjects=subjects, command_timeout_s=5, liveness_timeout_s=1.5, lease_s=LEASE_S,
-                                 state_patience_s=PATIENCE_S, state_replicas=3)
+        return ControllerOptions(
+            subjects=subjects,
+            command_timeout_s=5,
+            liveness_timeout_s=1.5,
+            lease_s=LEASE_S,
+            state_patience_s=PATIENCE_S,
+            state_replicas=3,
+        )
 
     leading = LocalFleet(a)  # the leader: on A alone
     leader = await leading.start_controller(options())
     fleet = LocalFleet(bc)  # the workers: on the majority side
     for wid in WORKERS:
-        await fleet.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
-                                                                       weight_transfer_backend="shm"))
+        await fleet.start_worker(
+            ReferenceEngine(MODEL),
+            WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend="shm"),
+        )
     await leader.wait_for(lambda reg: all(w in reg for w in WORKERS))
     standby_nc = await connect(bc, name="rlbus-controller-standby")
     standby = ControllerService(standby_nc, options())
@@ -96,7 +104,9 @@ async def test_a_partitioned_leader_acts_on_nothing_and_the_standby_on_the_major
             v1 = new_version("before-partition")
             first = await rl.push_weights(trained(71), v1)
             assert (await rl.server_info()).controller_id == leader.id and first.epoch == leader.epoch
-            await eventually(lambda: on_a.versions() == [v1] and on_b.versions() == [v1], timeout=5, what="v1 published")
+            await eventually(
+                lambda: on_a.versions() == [v1] and on_b.versions() == [v1], timeout=5, what="v1 published"
+            )
 
             net.cut(0)
             # the trainer on the majority side: its next push is answered by the standby, now leading
@@ -124,8 +134,11 @@ async def test_a_partitioned_leader_acts_on_nothing_and_the_standby_on_the_major
             assert third.epoch == standby.epoch and (await rl.server_info()).controller_id == standby.id
             await eventually(lambda: v3 in on_b.versions(), timeout=10, what="v3 published")
             assert on_b.versions() == [v1, v2, v3], "each version published once, in order"
-            assert [v.seq for v in on_b.seen] == [first.workers[0].weight_seq, first.workers[0].weight_seq + 1,
-                                                  first.workers[0].weight_seq + 2]
+            assert [v.seq for v in on_b.seen] == [
+                first.workers[0].weight_seq,
+                first.workers[0].weight_seq + 1,
+                first.workers[0].weight_seq + 2,
+            ]
             assert [v.epoch for v in on_b.seen] == [leader.epoch, standby.epoch, standby.epoch]
     finally:
         await rl.close()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate
 
 import rlbus
 from rlbus.runners.natsserver import NatsCluster
-from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate
 from tests.clusterfleet import cluster_fleet
 from tests.waiting import eventually
 from tests.weights_helpers import VersionEvents, assert_holds, new_version, trained
@@ -21,7 +21,7 @@ PATIENCE_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def cluster():  # noqa: ANN201
+def cluster():
     with NatsCluster(3) as c:
         yield c
 
@@ -29,15 +29,24 @@ def cluster():  # noqa: ANN201
 @pytest.fixture(scope="module")
 async def fleet(cluster, prefix):
     # the trainer sits on the controller's node: it survives the two kills with it
-    async with cluster_fleet(cluster, prefix, WORKERS, "gloo", trainer_timeout=30.0, trainer_on_controllers_node=True,
-                             command_timeout_s=10, liveness_timeout_s=3.0, state_patience_s=PATIENCE_S) as running:
+    async with cluster_fleet(
+        cluster,
+        prefix,
+        WORKERS,
+        "gloo",
+        trainer_timeout=30.0,
+        trainer_on_controllers_node=True,
+        command_timeout_s=10,
+        liveness_timeout_s=3.0,
+        state_patience_s=PATIENCE_S,
+    ) as running:
         yield running
 
 
-async def _has_leader(nc, stream: str) -> bool:  # noqa: ANN001
+async def _has_leader(nc, stream: str) -> bool:
     try:
         info = await nc.jetstream(timeout=1.0).stream_info(stream)
-    except Exception:  # noqa: BLE001 - no leader to answer yet
+    except Exception:
         return False
     return info.cluster is not None and info.cluster.leader is not None
 
@@ -66,8 +75,9 @@ async def test_without_quorum_nothing_changes_and_the_fleet_recovers_with_its_ve
             "pause": lambda: rl.pause("abort"),
             "start_weight_update": lambda: rl.call(StartWeightUpdate(), FleetAck),
             "update_weight_version": lambda: rl.update_weight_version(new_version("never")),
-            "finish_weight_update": lambda: rl.call(FinishWeightUpdate(weight_version=new_version("never"),
-                                                                       checksums=list(rl.push.checksums)), FleetAck),
+            "finish_weight_update": lambda: rl.call(
+                FinishWeightUpdate(weight_version=new_version("never"), checksums=list(rl.push.checksums)), FleetAck
+            ),
         }
         refused: dict[str, rlbus.RLBusError] = {}
 
@@ -90,10 +100,17 @@ async def test_without_quorum_nothing_changes_and_the_fleet_recovers_with_its_ve
 
         for node in lost:  # back on their ports, with their stores: the stream regains its quorum
             node.start_again()
-        await eventually(lambda: all(wid in f.controller.registry for wid in WORKERS) and not f.controller.lease_lost,
-                         timeout=30, what="every worker registered with the same controller")
-        await eventually(lambda: _has_leader(f.controller.nc, rl.subjects.kv_stream), timeout=30, interval=0.1,
-                         what="the state stream elected a leader again")
+        await eventually(
+            lambda: all(wid in f.controller.registry for wid in WORKERS) and not f.controller.lease_lost,
+            timeout=30,
+            what="every worker registered with the same controller",
+        )
+        await eventually(
+            lambda: _has_leader(f.controller.nc, rl.subjects.kv_stream),
+            timeout=30,
+            interval=0.1,
+            what="the state stream elected a leader again",
+        )
         info = await rl.get_weight_version_info()
         assert (info.version, info.seq) == (v1, seq), "the version survived the quorum loss"
         assert events.seen == [], "nothing was published without quorum"

@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
+from rlbus.schemas import CommitWorker
 
 import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
-from rlbus.schemas import CommitWorker
 from rlbus.sdk.client import RLClient
 from tests.clusterfleet import Published, cluster_fleet
 from tests.waiting import eventually
@@ -35,22 +35,23 @@ RECONNECT = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.2}
 
 
 @pytest.fixture(scope="module")
-def cluster():  # noqa: ANN201
+def cluster():
     with NatsCluster(3) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 async def fleet(cluster, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
-    async with cluster_fleet(cluster, prefix, WORKERS, "shm", trainer_timeout=60.0, command_timeout_s=5.0,
-                             liveness_timeout_s=2.0) as running:
+    async with cluster_fleet(
+        cluster, prefix, WORKERS, "shm", trainer_timeout=60.0, command_timeout_s=5.0, liveness_timeout_s=2.0
+    ) as running:
         yield running
 
 
-async def _replicas_current(nc, stream: str) -> bool:  # noqa: ANN001
+async def _replicas_current(nc, stream: str) -> bool:
     try:
         info = await nc.jetstream(timeout=1.0).stream_info(stream)
-    except Exception:  # noqa: BLE001 - electing a leader
+    except Exception:
         return False
     c = info.cluster
     return c is not None and c.leader is not None and all(r.current for r in c.replicas or [])
@@ -83,10 +84,21 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
 
     async def whole() -> None:
         """Every node up and its replicas current, every service connected and every worker registered."""
-        await eventually(lambda: _replicas_current(f.controller.nc, rl.subjects.kv_stream), timeout=30,
-                         interval=0.1, what="the state stream's replicas all current")
-        await eventually(lambda: f.controller.nc.is_connected and all(w.nc.is_connected for w in f.workers.values())
-                         and all(w in f.controller.registry for w in WORKERS), timeout=30, what="every worker registered")
+        await eventually(
+            lambda: _replicas_current(f.controller.nc, rl.subjects.kv_stream),
+            timeout=30,
+            interval=0.1,
+            what="the state stream's replicas all current",
+        )
+        await eventually(
+            lambda: (
+                f.controller.nc.is_connected
+                and all(w.nc.is_connected for w in f.workers.values())
+                and all(w in f.controller.registry for w in WORKERS)
+            ),
+            timeout=30,
+            what="every worker registered",
+        )
 
     async def in_step(where: str) -> None:
         info = await rl.server_info()
@@ -101,9 +113,11 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
                 assert w.state.weight_version == want, f"{w.worker_id} {where}"
 
     # each subscriber reconnects to its node only, for as long as it takes
-    async with Published(cluster.nodes[0].url, rl.subjects.version, **RECONNECT) as p0, \
-            Published(cluster.nodes[1].url, rl.subjects.version, **RECONNECT) as p1, \
-            Published(cluster.nodes[2].url, rl.subjects.version, **RECONNECT) as p2:
+    async with (
+        Published(cluster.nodes[0].url, rl.subjects.version, **RECONNECT) as p0,
+        Published(cluster.nodes[1].url, rl.subjects.version, **RECONNECT) as p1,
+        Published(cluster.nodes[2].url, rl.subjects.version, **RECONNECT) as p2,
+    ):
         for i, kind in enumerate(plan):
             seed, version = 2000 + i, f"csoak-{i}"
             await whole()
@@ -119,7 +133,7 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
                 elif kind == "sent":
                     real = rl.push.finish
 
-                    async def finish(*args, real=real, node=node, **kw):  # noqa: ANN002, ANN003, ANN202
+                    async def finish(*args, real=real, node=node, **kw):
                         node.kill()
                         return await real(*args, **kw)
 
@@ -129,7 +143,7 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
                     send = f.controller.fleet.send
                     fired = anyio.Event()
 
-                    async def send_then_kill(build, workers=None, timeout=None, send=send, node=node, fired=fired):  # noqa: ANN001, ANN202
+                    async def send_then_kill(build, workers=None, timeout=None, send=send, node=node, fired=fired):
                         out = await send(build, workers, timeout)
                         ids = workers or f.controller.registry.ids()
                         if ids and not fired.is_set() and isinstance(build(ids[0], 0, ""), CommitWorker):
@@ -152,9 +166,13 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
         observers = (p0, p1, p2)
 
         def seen() -> list[str]:  # every version any subscriber saw, in commit order
-            return [v.version for v in sorted({v.seq: v for p in observers for v in p.seen}.values(), key=lambda v: v.seq)]
+            return [
+                v.version for v in sorted({v.seq: v for p in observers for v in p.seen}.values(), key=lambda v: v.seq)
+            ]
 
-        await eventually(lambda: seen() == committed, timeout=10, what=f"every commit published: {committed}, seen {seen()}")
+        await eventually(
+            lambda: seen() == committed, timeout=10, what=f"every commit published: {committed}, seen {seen()}"
+        )
         for p in observers:
             got = [v.version for v in p.seen]
             assert len(got) == len(set(got)) and got == [c for c in committed if c in got], f"{p.node.url}: {got}"
@@ -163,6 +181,8 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
         assert f.workers[wid].book.main.version == last
         assert_holds(f, wid, holds)
     took = time.monotonic() - started
-    print(f"\ncluster soak (seed {SEED}): {dict(Counter(plan))}, {len(committed)} commits, failures {dict(failures)}, "
-          f"nodes killed {dict(killed_nodes)}, {took:.1f}s")
+    print(
+        f"\ncluster soak (seed {SEED}): {dict(Counter(plan))}, {len(committed)} commits, failures {dict(failures)}, "
+        f"nodes killed {dict(killed_nodes)}, {took:.1f}s"
+    )
     assert took < BUDGET_S

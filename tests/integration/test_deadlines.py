@@ -21,8 +21,9 @@ WORKERS = ("w0", "w1")
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    async with fleet_running(nats_server.url, prefix, WORKERS, weight_transfer_backend="gloo", model=MODEL,
-                             command_timeout_s=30.0) as running:
+    async with fleet_running(
+        nats_server.url, prefix, WORKERS, weight_transfer_backend="gloo", model=MODEL, command_timeout_s=30.0
+    ) as running:
         yield running
 
 

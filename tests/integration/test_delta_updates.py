@@ -45,11 +45,11 @@ class Master:
         return [(n, p.detach().to(torch.bfloat16)) for n, p in self.model.named_parameters()]
 
 
-def sums(named) -> dict[str, str]:  # noqa: ANN001
+def sums(named) -> dict[str, str]:
     return {n: checksum(as_bytes(t)) for n, t in dict(named).items()}
 
 
-def assert_fleet_holds(fleet, named, target: str = "main") -> None:  # noqa: ANN001
+def assert_fleet_holds(fleet, named, target: str = "main") -> None:
     """Every worker's full tensors hash to the trainer's (the checksums of full tensors)."""
     want = sums(named)
     for wid, w in fleet.workers.items():
@@ -60,7 +60,7 @@ def assert_fleet_holds(fleet, named, target: str = "main") -> None:  # noqa: ANN
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "-".join(c))
-def config(request) -> tuple[str, str]:  # noqa: ANN001
+def config(request) -> tuple[str, str]:
     return request.param
 
 
@@ -68,8 +68,15 @@ def config(request) -> tuple[str, str]:  # noqa: ANN001
 async def fleet(nats_server, prefix, config):
     backend, mode = config
     # a generous liveness timeout: a worker dropped and withheld on a loaded box would (rightly) refuse a delta
-    async with fleet_running(nats_server.url, prefix + backend, model=BF16, engine_kw={"draft_config": DRAFT},
-                             liveness_timeout_s=5.0, weight_transfer_backend=backend, update_mode=mode) as running:
+    async with fleet_running(
+        nats_server.url,
+        prefix + backend,
+        model=BF16,
+        engine_kw={"draft_config": DRAFT},
+        liveness_timeout_s=5.0,
+        weight_transfer_backend=backend,
+        update_mode=mode,
+    ) as running:
         yield running
 
 
@@ -79,7 +86,7 @@ def master() -> Master:
     return Master(BF16, lr=2e-5)
 
 
-async def _push(rl, master: Master, **kw):  # noqa: ANN001, ANN202
+async def _push(rl, master: Master, **kw):
     named = master.served()
     await rl.push_weights(named, new_version("delta"), delta=True, **kw)
     return named, rl.last_push
@@ -164,7 +171,9 @@ async def test_a_delta_refusal_names_the_worker_with_failed_precondition(fleet, 
         await rl.pause("wait")
         with pytest.raises(rlbus.FailedPrecondition) as err:
             # the raw command, as any client sends it: the SDK would fall back
-            await rl.call(rlbus.schemas.StartWeightUpdate(base_seq=rl.push.committed["main"].seq), rlbus.schemas.FleetAck)
+            await rl.call(
+                rlbus.schemas.StartWeightUpdate(base_seq=rl.push.committed["main"].seq), rlbus.schemas.FleetAck
+            )
         assert err.value.workers == ["w0"] and "w0" in err.value.failures[0].message
         assert (await rl.server_info()).session_id is None
         assert all(w.updates.session is None for w in f.workers.values())
@@ -203,7 +212,7 @@ async def test_a_delta_corrupted_on_the_wire_aborts_everywhere(fleet, master):
     tx = rl.push.transfer
     send, flipped = tx.send, []
 
-    def flip_first(buf):  # noqa: ANN001, ANN202 - after the bucket was hashed
+    def flip_first(buf):
         if not flipped:
             buf[-1] ^= 0x01
             flipped.append(True)
@@ -264,8 +273,10 @@ async def test_a_late_joiner_refuses_the_delta_and_the_fleet_ends_consistent(nat
             m.step()
             named, _ = await _push(rl, m)
         assert rl.last_push.delta
-        await f.start_worker(ReferenceEngine(BF16), WorkerOptions(worker_id="w9", subjects=rl.subjects,
-                                                                  weight_transfer_backend="gloo", heartbeat_s=0.25))
+        await f.start_worker(
+            ReferenceEngine(BF16),
+            WorkerOptions(worker_id="w9", subjects=rl.subjects, weight_transfer_backend="gloo", heartbeat_s=0.25),
+        )
         await f.wait_for_workers(["w0", "w9"])
         m.step()
         named, st = await _push(rl, m)

@@ -3,15 +3,15 @@ task's pure rules are in tests/unit/test_demo_task.py)."""
 
 from __future__ import annotations
 
+from rlbus.models.tinylm import ModelConfig
 from rlbus.runners.demo.run import draft_config
 from rlbus.runners.demo.trainer import DemoConfig, Trainer
-from rlbus.models.tinylm import ModelConfig
 from tests.fleet import start_fleet
 
 MODEL = ModelConfig(d_model=32, seed=0)
 
 
-async def _run(url: str, prefix: str, **kw) -> list:  # noqa: ANN003
+async def _run(url: str, prefix: str, **kw) -> list:
     fleet, rl = await start_fleet(
         url, prefix, model=MODEL, weight_transfer_backend="gloo", engine_kw={"draft_config": draft_config(MODEL)}
     )

@@ -34,9 +34,25 @@ def test_the_embedded_server_fsyncs_every_jetstream_write(tmp_path: Path):
 def test_the_nats_config_rlbus_writes_fsyncs_every_jetstream_write(tmp_path: Path):
     conf = write_config(tmp_path / "conf")["config"]
     monitor = free_port("127.0.0.1")
-    proc = spawn([server_binary(), "-c", str(conf), "-js", "-sd", str(tmp_path / "store"), "-a", "127.0.0.1",
-                  "-p", str(free_port("127.0.0.1")), "-m", str(monitor)],
-                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = spawn(
+        [
+            server_binary(),
+            "-c",
+            str(conf),
+            "-js",
+            "-sd",
+            str(tmp_path / "store"),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(free_port("127.0.0.1")),
+            "-m",
+            str(monitor),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ready, log = threading.Event(), []
 
     def read() -> None:

@@ -16,13 +16,13 @@ import time
 
 import anyio
 import pytest
+from rlbus.schemas import Subjects
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
 
 from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
-from rlbus.schemas import Subjects
 from rlbus.sdk.client import RLClient
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
 from tests.looplag import LoopLag
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
@@ -33,9 +33,27 @@ CALLS = 6
 
 
 def _controller(url: str, prefix: str) -> subprocess.Popen:
-    return spawn([sys.executable, "-m", "rlbus", "controller", "--nats-url", url, "--prefix", prefix,
-                  "--lease", str(LEASE_S), "--liveness-timeout", "1.5", "--command-timeout", "5"],
-                 env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return spawn(
+        [
+            sys.executable,
+            "-m",
+            "rlbus",
+            "controller",
+            "--nats-url",
+            url,
+            "--prefix",
+            prefix,
+            "--lease",
+            str(LEASE_S),
+            "--liveness-timeout",
+            "1.5",
+            "--command-timeout",
+            "5",
+        ],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def _leader(rl: RLClient) -> str:
@@ -69,7 +87,9 @@ async def fleet(nats_server, prefix):
     rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=30.0)
     try:
         for wid in ("w0", "w1"):
-            await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2))
+            await f.start_worker(
+                ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2)
+            )
         await eventually(lambda: _two_workers(rl), timeout=30, what="the first controller serving both workers")
         yield f, rl, procs, nats_server.url, prefix, hole
     finally:
@@ -86,7 +106,7 @@ async def fleet(nats_server, prefix):
 async def _two_workers(rl: RLClient) -> bool:
     try:
         return len((await rl.server_info()).workers) == 2
-    except Exception:  # noqa: BLE001 - not up yet
+    except Exception:
         return False
 
 

@@ -23,15 +23,15 @@ import anyio
 import msgspec
 import nats
 import pytest
+from rlbus.schemas import CommitDecision, FleetAck, GenerateReply, GetServerInfo, KvKey, ServerInfo, Subjects
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
 from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
-from rlbus.schemas import CommitDecision, FleetAck, GenerateReply, KvKey, ServerInfo, GetServerInfo, Subjects
 from rlbus.sdk.client import RLClient
-from rlbus.services.controller.service import ControllerOptions
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
 from tests.fleet import worker_command
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
@@ -51,15 +51,21 @@ class ProcessFleet:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, worker_id: str, url: str) -> None:
-        self.procs[worker_id] = subprocess.Popen(worker_command(url, self.prefix, worker_id, "gloo"),
-                                                 env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
-                                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs[worker_id] = subprocess.Popen(
+            worker_command(url, self.prefix, worker_id, "gloo"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def arm(self, worker_id: str, sig: int) -> None:
         """Send `sig` to the worker the moment its next commit command reaches its link."""
         proc = self.procs[worker_id]
-        self.hole.tripwire = (f" {Subjects(self.prefix).worker(worker_id, 'commit')} ".encode(),
-                              lambda: proc.send_signal(sig))
+        self.hole.tripwire = (
+            f" {Subjects(self.prefix).worker(worker_id, 'commit')} ".encode(),
+            lambda: proc.send_signal(sig),
+        )
 
     async def stop(self) -> None:
         for proc in self.procs.values():
@@ -83,8 +89,14 @@ async def procs(nats_server) -> AsyncIterator[tuple[ProcessFleet, RLClient]]:
     prefix = "c" + uuid.uuid4().hex[:8]
     async with Blackhole(nats_server.port) as hole:
         fleet = ProcessFleet(nats_server.url, prefix, hole)
-        await fleet.local.start_controller(ControllerOptions(subjects=Subjects(prefix=prefix), lease_s=1.0,
-                                                             command_timeout_s=COMMAND_TIMEOUT_S, liveness_timeout_s=LIVENESS_S))
+        await fleet.local.start_controller(
+            ControllerOptions(
+                subjects=Subjects(prefix=prefix),
+                lease_s=1.0,
+                command_timeout_s=COMMAND_TIMEOUT_S,
+                liveness_timeout_s=LIVENESS_S,
+            )
+        )
         rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=30.0)
         try:
             fleet.start("w0", nats_server.url)
@@ -139,8 +151,9 @@ async def test_a_worker_killed_as_its_commit_reaches_it_is_quarantined_and_the_c
     while (await rl.server_info()).quarantined:
         replies = await asyncio.gather(*(rl.generate(p, MAX_TOKENS) for p in PROMPTS))
         for r in replies:  # while quarantined, only the decided bits are served, by w0
-            assert r.worker_id == "w0" or (r.weight_version, r.weight_seq) == (version, seq + 1), \
+            assert r.worker_id == "w0" or (r.weight_version, r.weight_seq) == (version, seq + 1), (
                 "a quarantined worker served other bits"
+            )
     info = await rl.server_info()
     w1 = next(w for w in info.workers if w.worker_id == "w1")
     assert not w1.quarantined and not w1.behind and not w1.state.withheld, "repaired: released from quarantine"
@@ -181,17 +194,38 @@ async def test_a_worker_frozen_as_its_commit_reaches_it_never_makes_one_seq_name
 
 async def _released(rl: RLClient) -> bool:
     info = await rl.server_info()
-    return not info.quarantined and sorted(w.worker_id for w in info.workers) == WORKERS and not any(
-        w.state.withheld for w in info.workers)
+    return (
+        not info.quarantined
+        and sorted(w.worker_id for w in info.workers) == WORKERS
+        and not any(w.state.withheld for w in info.workers)
+    )
 
 
 # ---- a controller killed right after its decision -------------------------------------------
 
 
 def _controller(url: str, prefix: str) -> subprocess.Popen:
-    return spawn([sys.executable, "-m", "rlbus", "controller", "--nats-url", url, "--prefix", prefix, "--lease", "1",
-                  "--liveness-timeout", str(LIVENESS_S), "--command-timeout", str(COMMAND_TIMEOUT_S)],
-                 env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return spawn(
+        [
+            sys.executable,
+            "-m",
+            "rlbus",
+            "controller",
+            "--nats-url",
+            url,
+            "--prefix",
+            prefix,
+            "--lease",
+            "1",
+            "--liveness-timeout",
+            str(LIVENESS_S),
+            "--command-timeout",
+            str(COMMAND_TIMEOUT_S),
+        ],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_publishes_it_once(nats_server):
@@ -203,8 +237,10 @@ async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_p
     nc = await nats.connect(nats_server.url)
     try:
         for wid in WORKERS:
-            await local.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2,
-                                                                          weight_transfer_backend="shm"))
+            await local.start_worker(
+                ReferenceEngine(MODEL),
+                WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2, weight_transfer_backend="shm"),
+            )
         await eventually(lambda: _registered(rl, WORKERS), timeout=30, interval=0.1, what="the first controller")
         await rl.push_weights(trained(51), new_version("before"))
         seq = (await rl.server_info()).weight_seq
@@ -214,7 +250,11 @@ async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_p
 
         async def kill_on_decision() -> None:
             async for entry in watch:
-                if entry is not None and entry.value and msgspec.json.decode(entry.value, type=CommitDecision).seq > seq:
+                if (
+                    entry is not None
+                    and entry.value
+                    and msgspec.json.decode(entry.value, type=CommitDecision).seq > seq
+                ):
                     controllers[0].send_signal(signal.SIGKILL)  # decided: no commit recorded, none published
                     killed.set()
                     return
@@ -235,16 +275,24 @@ async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_p
 
             async def committed_everywhere() -> bool:
                 info = await rl.server_info()
-                return (info.weight_version, info.weight_seq) == (version, seq + 1) and not info.quarantined and all(
-                    (w.state.weight_version, w.state.weight_seq, w.state.withheld) == (version, seq + 1, False)
-                    for w in info.workers) and len(info.workers) == len(WORKERS)
+                return (
+                    (info.weight_version, info.weight_seq) == (version, seq + 1)
+                    and not info.quarantined
+                    and all(
+                        (w.state.weight_version, w.state.weight_seq, w.state.withheld) == (version, seq + 1, False)
+                        for w in info.workers
+                    )
+                    and len(info.workers) == len(WORKERS)
+                )
 
             await eventually(committed_everywhere, timeout=30, interval=0.1, what="the successor finishing the commit")
             await events.wait_for(1)
             await rl.push_weights(trained(53), new_version("next"))
             await events.wait_for(2)
             assert [(v.version, v.seq) for v in events.seen][:1] == [(version, seq + 1)]
-            assert [v.seq for v in events.seen] == [seq + 1, seq + 2], "the decided version was not published exactly once"
+            assert [v.seq for v in events.seen] == [seq + 1, seq + 2], (
+                "the decided version was not published exactly once"
+            )
         for wid in WORKERS:
             assert_holds(local, wid, trained(53))
     finally:

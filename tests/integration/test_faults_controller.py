@@ -30,9 +30,9 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
-from rlbus.sdk.client import RLClient
 from rlbus.bus.connection import connect
 from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,
@@ -53,7 +53,10 @@ LIVENESS_S = 1.0
 
 def _options(prefix: str, lease_s: float = 1.0) -> ControllerOptions:
     return ControllerOptions(
-        subjects=Subjects(prefix=prefix), command_timeout_s=COMMAND_TIMEOUT_S, liveness_timeout_s=LIVENESS_S, lease_s=lease_s
+        subjects=Subjects(prefix=prefix),
+        command_timeout_s=COMMAND_TIMEOUT_S,
+        liveness_timeout_s=LIVENESS_S,
+        lease_s=lease_s,
     )
 
 
@@ -63,7 +66,9 @@ async def _fleet(url: str, prefix: str, lease_s: float = 1.0) -> tuple[LocalFlee
     for wid in WORKERS:
         await f.start_worker(
             ReferenceEngine(MODEL),
-            WorkerOptions(worker_id=wid, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm"),
+            WorkerOptions(
+                worker_id=wid, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm"
+            ),
         )
     await f.wait_for_workers(WORKERS)
     rl = await RLClient.connect(url, prefix=prefix, timeout=20.0)
@@ -130,10 +135,16 @@ async def test_a_controller_killed_mid_session_is_replaced_by_one_that_aborts_th
         assert new.version.version == committed, "the committed version is read from KV, not reset"
         assert await new.store.session() is None  # type: ignore[union-attr]
         await f.wait_for_workers(WORKERS)
-        await eventually(lambda: all(w.updates.session_id is None for w in f.workers.values()), timeout=5,
-                         what="the orphaned session aborted on every worker")
-        await eventually(lambda: all(w.book.epoch == new.epoch for w in f.workers.values()), timeout=5,
-                         what="every worker saw the new epoch")
+        await eventually(
+            lambda: all(w.updates.session_id is None for w in f.workers.values()),
+            timeout=5,
+            what="the orphaned session aborted on every worker",
+        )
+        await eventually(
+            lambda: all(w.book.epoch == new.epoch for w in f.workers.values()),
+            timeout=5,
+            what="every worker saw the new epoch",
+        )
         info = await rl.server_info()
         assert info.controller_id == new.id and info.epoch == new.epoch
         assert info.weight_version == committed and info.session_id is None
@@ -194,8 +205,11 @@ async def test_a_worker_refuses_a_command_stamped_with_an_older_epoch(fleet, nat
     await f.stop(f.controller)
     new = await f.start_controller(_options(p))
     await f.wait_for_workers(WORKERS)
-    await eventually(lambda: all(w.book.epoch == new.epoch for w in f.workers.values()), timeout=5,
-                     what="every worker saw the new epoch")
+    await eventually(
+        lambda: all(w.book.epoch == new.epoch for w in f.workers.values()),
+        timeout=5,
+        what="every worker saw the new epoch",
+    )
     assert new.epoch > old_epoch
     w0 = f.workers["w0"]
     before = w0.state()
@@ -204,7 +218,8 @@ async def test_a_worker_refuses_a_command_stamped_with_an_older_epoch(fleet, nat
     try:
         msg = await nc.request(
             Subjects(prefix=p).worker("w0", "pause"),
-            encode(PauseWorker(mode="abort", epoch=old_epoch, command_id=uuid.uuid4().hex)), timeout=5,
+            encode(PauseWorker(mode="abort", epoch=old_epoch, command_id=uuid.uuid4().hex)),
+            timeout=5,
         )
         reply = reply_decoder.decode(msg.data)
         assert isinstance(reply, Nack), f"a command from epoch {old_epoch} was obeyed: {reply!r}"
@@ -217,7 +232,8 @@ async def test_a_worker_refuses_a_command_stamped_with_an_older_epoch(fleet, nat
         # the same command stamped with the current epoch is obeyed: the refusal was the epoch
         msg = await nc.request(
             Subjects(prefix=p).worker("w0", "pause"),
-            encode(PauseWorker(mode="abort", epoch=new.epoch, command_id=uuid.uuid4().hex)), timeout=5,
+            encode(PauseWorker(mode="abort", epoch=new.epoch, command_id=uuid.uuid4().hex)),
+            timeout=5,
         )
         obeyed = reply_decoder.decode(msg.data)
         assert isinstance(obeyed, WorkerAck) and obeyed.state.paused
@@ -237,18 +253,26 @@ async def test_a_standby_controller_takes_over_at_once_when_the_leader_stops_gra
         leader = f.controller
         assert leader is not None
         async with _Standby(nats_server.url, _options(p, lease_s)) as standby:
-            await eventually(lambda: standby.standby_for == leader.id, timeout=5, what="the second controller in standby")
+            await eventually(
+                lambda: standby.standby_for == leader.id, timeout=5, what="the second controller in standby"
+            )
 
             named = trained(11)
             ack = await rl.push_weights(named, "through-the-leader")
             assert ack.epoch == leader.epoch
             assert (await rl.server_info()).controller_id == leader.id
-            assert standby.standby_for == leader.id and standby.epoch == 0, "the standby must not act while the leader lives"
+            assert standby.standby_for == leader.id and standby.epoch == 0, (
+                "the standby must not act while the leader lives"
+            )
 
             await f.stop(leader)
             stopped = time.monotonic()
-            await eventually(lambda: _serves(rl, standby.id), timeout=lease_s, interval=0.02,
-                             what="the standby serving with every worker")
+            await eventually(
+                lambda: _serves(rl, standby.id),
+                timeout=lease_s,
+                interval=0.02,
+                what="the standby serving with every worker",
+            )
             assert time.monotonic() - stopped < lease_s / 2, "a released lease is taken without waiting for it to lapse"
 
             assert standby.standby_for is None
@@ -271,13 +295,19 @@ async def test_a_standby_controller_takes_over_a_killed_leader_once_its_lease_la
         assert leader is not None
         await rl.push_weights(trained(21), "before-the-kill")
         async with _Standby(nats_server.url, _options(p, lease_s)) as standby:
-            await eventually(lambda: standby.standby_for == leader.id, timeout=5, what="the second controller in standby")
+            await eventually(
+                lambda: standby.standby_for == leader.id, timeout=5, what="the second controller in standby"
+            )
             assert (await rl.server_info()).controller_id == leader.id
 
             await f.kill(leader)
             killed = time.monotonic()
-            await eventually(lambda: _serves(rl, standby.id), timeout=lease_s + 4, interval=0.02,
-                             what="the standby serving with every worker")
+            await eventually(
+                lambda: _serves(rl, standby.id),
+                timeout=lease_s + 4,
+                interval=0.02,
+                what="the standby serving with every worker",
+            )
             took = time.monotonic() - killed
             # the leader renews every lease/4: its record lapses no sooner than 3/4 of a lease after the kill
             assert took > lease_s / 2, f"took over after {took:.2f}s, before the killed leader's lease lapsed"
@@ -285,8 +315,11 @@ async def test_a_standby_controller_takes_over_a_killed_leader_once_its_lease_la
             assert standby.epoch > leader.epoch
             info = await rl.server_info()
             assert info.weight_version == "before-the-kill" and info.session_id is None
-            await eventually(lambda: all(w.book.epoch == standby.epoch for w in f.workers.values()), timeout=5,
-                             what="every worker fenced to the new epoch")
+            await eventually(
+                lambda: all(w.book.epoch == standby.epoch for w in f.workers.values()),
+                timeout=5,
+                what="every worker fenced to the new epoch",
+            )
             ack = await rl.push_weights(trained(22), "after-takeover")
             assert ack.epoch == standby.epoch
     finally:

@@ -16,9 +16,9 @@ from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
-from rlbus.sdk.client import RLClient
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsServer
+from rlbus.sdk.client import RLClient
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
 from tests.weights_helpers import (
@@ -42,14 +42,18 @@ def server():
 
 
 def _worker_options(prefix: str, worker_id: str) -> WorkerOptions:
-    return WorkerOptions(worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm")
+    return WorkerOptions(
+        worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm"
+    )
 
 
 @pytest.fixture(scope="module")
 async def fleet(server, prefix):
     f = LocalFleet(server.url)
     await f.start_controller(
-        ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=2.5, liveness_timeout_s=LIVENESS_S, lease_s=1.0)
+        ControllerOptions(
+            subjects=Subjects(prefix=prefix), command_timeout_s=2.5, liveness_timeout_s=LIVENESS_S, lease_s=1.0
+        )
     )
     for wid in WORKERS:
         await f.start_worker(ReferenceEngine(MODEL), _worker_options(prefix, wid))
@@ -78,14 +82,18 @@ async def _answers_with(rl: RLClient, workers: Sequence[str]) -> ServerInfo | No
     """server_info, once the controller answers it and lists exactly `workers`."""
     try:
         info = await rl.call(GetServerInfo(), ServerInfo, timeout=1.0)
-    except Exception:  # noqa: BLE001 - reconnecting: an RLBusError, or the request may not even go out
+    except Exception:
         return None
     return info if sorted(w.worker_id for w in info.workers) == sorted(workers) else None
 
 
 async def _recovered(rl: RLClient, workers: Sequence[str] = WORKERS) -> ServerInfo:
-    return await eventually(lambda: _answers_with(rl, workers), timeout=20, interval=0.05,
-                            what=f"the controller answering with {list(workers)} after the restart")
+    return await eventually(
+        lambda: _answers_with(rl, workers),
+        timeout=20,
+        interval=0.05,
+        what=f"the controller answering with {list(workers)} after the restart",
+    )
 
 
 # ---- restarts ----------------------------------------------------------------------------------
@@ -149,8 +157,12 @@ async def test_a_version_watcher_disconnected_by_a_restart_still_ends_on_the_cur
 
         # the watcher is an ordered consumer with a 1 s idle heartbeat: it notices the lost
         # consumer within a few seconds and resumes after the last version it delivered
-        await eventually(lambda: seen[-1].version == after, timeout=15, interval=0.05,
-                         what=f"the watcher reaching {after} (saw {[v.version for v in seen]})")
+        await eventually(
+            lambda: seen[-1].version == after,
+            timeout=15,
+            interval=0.05,
+            what=f"the watcher reaching {after} (saw {[v.version for v in seen]})",
+        )
         tg.cancel_scope.cancel()
     # re-deliveries of earlier versions are allowed, but never a version after the current one
     assert [v.version for v in seen if v.version not in (current, after)] == []
@@ -165,8 +177,9 @@ async def test_a_version_watcher_started_while_the_server_is_down_yields_once_it
     caplog.set_level("INFO", logger="rlbus.sdk.versions")
     first = asyncio.ensure_future(anext(watcher))
     try:
-        await eventually(lambda: "retrying" in caplog.text, timeout=15,
-                         what="the watcher's setup failing while the server is down")
+        await eventually(
+            lambda: "retrying" in caplog.text, timeout=15, what="the watcher's setup failing while the server is down"
+        )
         assert not first.done()
         server.start_again()  # on the loop thread, as _restart explains
         assert (await asyncio.wait_for(first, 20)).version == current
@@ -195,11 +208,18 @@ async def test_a_blackholed_worker_is_detected_within_seconds_and_rejoins_when_t
             hole.holed = True
             holed = time.monotonic()
             # the controller: missed heartbeats drop it after the liveness timeout
-            await eventually(lambda: "far" not in f.controller.registry, timeout=LIVENESS_S + 2,
-                             what="the controller dropping the silent worker")
+            await eventually(
+                lambda: "far" not in f.controller.registry,
+                timeout=LIVENESS_S + 2,
+                what="the controller dropping the silent worker",
+            )
             # the worker itself: unanswered pings (every 2 s, 2 outstanding) mark the link dead
-            await eventually(lambda: not worker.nc.is_connected, timeout=9, interval=0.05,
-                             what="the worker's connection noticing the silent link")
+            await eventually(
+                lambda: not worker.nc.is_connected,
+                timeout=9,
+                interval=0.05,
+                what="the worker's connection noticing the silent link",
+            )
             assert time.monotonic() - holed < 9
             assert sorted(w.worker_id for w in (await rl.pause()).workers) == WORKERS  # the rest still answers
             await rl.resume()

@@ -5,7 +5,6 @@ Each test starts a small in-process fleet (shm transfer) under a prefix of its o
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,8 +17,8 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions, WorkerService
 
 import rlbus
-from rlbus.sdk.client import RLClient
 from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 from tests.waiting import eventually
 from tests.weights_helpers import (
     MODEL,
@@ -41,7 +40,9 @@ async def _worker(f: LocalFleet, prefix: str, worker_id: str) -> WorkerService:
     """A worker with a fresh engine (version "default")."""
     return await f.start_worker(
         ReferenceEngine(MODEL),
-        WorkerOptions(worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm"),
+        WorkerOptions(
+            worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm"
+        ),
     )
 
 
@@ -53,7 +54,12 @@ async def make_fleet(nats_server, prefix):
         p = f"{prefix}{uuid.uuid4().hex[:6]}"
         f = LocalFleet(nats_server.url)
         await f.start_controller(
-            ControllerOptions(subjects=Subjects(prefix=p), command_timeout_s=COMMAND_TIMEOUT_S, liveness_timeout_s=LIVENESS_S, lease_s=1.0)
+            ControllerOptions(
+                subjects=Subjects(prefix=p),
+                command_timeout_s=COMMAND_TIMEOUT_S,
+                liveness_timeout_s=LIVENESS_S,
+                lease_s=1.0,
+            )
         )
         for wid in workers:
             await _worker(f, p, wid)
@@ -86,8 +92,11 @@ async def test_a_worker_killed_mid_session_aborts_it_and_the_survivors_take_the_
 
         assert f.controller is not None
         await eventually(lambda: "w2" not in f.controller.registry, timeout=LIVENESS_S + 3, what="w2 dropped")
-        await eventually(lambda: all(w.updates.session_id is None for w in f.workers.values()), timeout=3,
-                         what="the open session aborted on the survivors")
+        await eventually(
+            lambda: all(w.updates.session_id is None for w in f.workers.values()),
+            timeout=3,
+            what="the open session aborted on the survivors",
+        )
 
         async def closed() -> bool:  # the controller closes its side right after the survivors'
             return (await rl.server_info()).session_id is None
@@ -123,7 +132,7 @@ async def test_a_worker_too_slow_to_prepare_fails_the_finish_with_deadline_excee
     slow = f.workers["w1"]
     prepare = slow.updates.prepare
 
-    async def late_prepare(session_id: str, timeout: float, checksums) -> None:  # noqa: ANN001
+    async def late_prepare(session_id: str, timeout: float, checksums) -> None:
         await anyio.sleep(COMMAND_TIMEOUT_S + 1.0)  # the injected fault: a worker stuck in phase 1
         await prepare(session_id, timeout, checksums)
 

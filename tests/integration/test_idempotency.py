@@ -12,15 +12,25 @@ import uuid
 
 import anyio
 import pytest
+from rlbus.schemas import (
+    FleetAck,
+    GetServerInfo,
+    Nack,
+    Pause,
+    Resume,
+    ServerInfo,
+    Subjects,
+    UpdateWeightVersion,
+    encode,
+    reply_decoder,
+)
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
 from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
-from rlbus.schemas import (FleetAck, GetServerInfo, Nack, Pause, Resume, ServerInfo, Subjects, UpdateWeightVersion, encode,
-                           reply_decoder)
-from rlbus.services.controller.service import ControllerOptions
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
 from tests.fleet import fleet_running
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, VersionEvents, new_version
@@ -34,7 +44,7 @@ async def fleet(nats_server, prefix):
         yield running
 
 
-async def _send(raw, prefix: str, command) -> object:  # noqa: ANN001
+async def _send(raw, prefix: str, command) -> object:
     op = type(command).__struct_config__.tag
     msg = await raw.request(Subjects(prefix).control(op), encode(command), timeout=10)
     return reply_decoder.decode(msg.data)
@@ -73,8 +83,9 @@ async def test_a_retry_after_a_controller_restart_gets_the_first_answer_and_runs
         assert await events.wait_for(1) == [version]
         old_epoch = f.controller.epoch
         await f.stop(f.controller)
-        new = await f.start_controller(ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=10.0,
-                                                         liveness_timeout_s=1.5))
+        new = await f.start_controller(
+            ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=10.0, liveness_timeout_s=1.5)
+        )
         await f.wait_for_workers(WORKERS)
         assert new.epoch > old_epoch
         retry = await raw.request(Subjects(prefix).control("update_weight_version"), encode(command), timeout=10)
@@ -96,18 +107,24 @@ async def test_the_sdk_retries_through_a_controller_handover_with_the_same_id(fl
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(resume)
-        await eventually(lambda: "resume: no responders" in caplog.text, timeout=5,
-                         what="the client retrying while no controller answers")
+        await eventually(
+            lambda: "resume: no responders" in caplog.text,
+            timeout=5,
+            what="the client retrying while no controller answers",
+        )
         assert not resumed
-        await f.start_controller(ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=10.0,
-                                                   liveness_timeout_s=1.5))
+        await f.start_controller(
+            ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=10.0, liveness_timeout_s=1.5)
+        )
         await f.wait_for_workers(WORKERS)
     assert resumed and not any(w.paused for w in resumed[0].workers)
     assert not await rl.is_paused()
 
 
 async def test_a_call_gives_up_with_unavailable_once_its_retry_window_passes(nats_server):
-    async with await rlbus.RLClient.connect(nats_server.url, prefix="nobody-" + uuid.uuid4().hex[:6], timeout=10, retry_s=0.5) as rl:
+    async with await rlbus.RLClient.connect(
+        nats_server.url, prefix="nobody-" + uuid.uuid4().hex[:6], timeout=10, retry_s=0.5
+    ) as rl:
         with anyio.fail_after(5), pytest.raises(rlbus.Unavailable, match="no responders"):
             await rl.server_info()
 
@@ -118,9 +135,27 @@ KILL_ROUNDS = 5
 
 
 def _controller_process(url: str, prefix: str) -> subprocess.Popen:
-    return spawn([sys.executable, "-m", "rlbus", "controller", "--nats-url", url, "--prefix", prefix, "--lease", "0.5",
-                  "--liveness-timeout", "1.5", "--command-timeout", "5"],
-                 env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return spawn(
+        [
+            sys.executable,
+            "-m",
+            "rlbus",
+            "controller",
+            "--nats-url",
+            url,
+            "--prefix",
+            prefix,
+            "--lease",
+            "0.5",
+            "--liveness-timeout",
+            "1.5",
+            "--command-timeout",
+            "5",
+        ],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture
@@ -132,8 +167,9 @@ async def process_controllers(nats_server):
     rl = await rlbus.RLClient.connect(nats_server.url, prefix=p, timeout=20.0)
     try:
         for wid in WORKERS:
-            await fleet.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=Subjects(prefix=p),
-                                                                          heartbeat_s=0.2))
+            await fleet.start_worker(
+                ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=Subjects(prefix=p), heartbeat_s=0.2)
+            )
         yield rl, p, procs
     finally:
         for proc in procs:
@@ -153,7 +189,8 @@ async def _leads_with_every_worker(rl: rlbus.RLClient, proc: subprocess.Popen) -
 
 
 async def test_a_controller_killed_right_after_it_answered_never_runs_the_retried_command_again(
-        process_controllers, raw, nats_server):
+    process_controllers, raw, nats_server
+):
     rl, p, procs = process_controllers
     subject = Subjects(prefix=p).control("update_weight_version")
     async with VersionEvents(rl) as events:

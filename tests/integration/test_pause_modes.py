@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from rlbus.schemas import GenerateReply
+
 from tests.fleet import LONG, PROMPTS, fleet_running
 from tests.waiting import eventually
 
@@ -30,19 +30,19 @@ async def running_fleet(fleet):
     await eventually(lambda: in_flight(f) == 0 and waiting(f) == 0, what="fleet idle after test")
 
 
-def in_flight(f) -> int:  # noqa: ANN001
+def in_flight(f) -> int:
     return sum(w.engine.status().in_flight for w in f.workers.values())
 
 
-def waiting(f) -> int:  # noqa: ANN001
+def waiting(f) -> int:
     return sum(w.engine.status().waiting for w in f.workers.values())
 
 
-def generate_all(rl, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[asyncio.Task[GenerateReply]]:  # noqa: ANN001
+def generate_all(rl, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[asyncio.Task[GenerateReply]]:
     return [asyncio.create_task(rl.generate(p, max_tokens, timeout=30.0)) for p in prompts]
 
 
-async def all_in_flight(f, n: int = len(PROMPTS)) -> None:  # noqa: ANN001
+async def all_in_flight(f, n: int = len(PROMPTS)) -> None:
     await eventually(lambda: in_flight(f) == n, what=f"{n} requests decoding")
 
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import msgspec
 import nats
 import pytest
+from rlbus.schemas import MAX_COMMAND_BYTES, FleetAck, Pause, Subjects, encode, reply_decoder
 
 import rlbus
 from rlbus.runners.natsserver import NatsServer
-from rlbus.schemas import MAX_COMMAND_BYTES, FleetAck, Pause, Subjects, encode, reply_decoder
 from tests.fleet import fleet_running
 
 
 @pytest.fixture(scope="module")
-def roomy_server(tmp_path_factory):  # noqa: ANN201
+def roomy_server(tmp_path_factory):
     conf = tmp_path_factory.mktemp("conf") / "payload.conf"
     conf.write_text("max_payload: 16777216\n")
     with NatsServer(config_file=conf) as server:
@@ -23,7 +23,7 @@ def roomy_server(tmp_path_factory):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-async def fleet(roomy_server, prefix):  # noqa: ANN201
+async def fleet(roomy_server, prefix):
     async with fleet_running(roomy_server.url, prefix, ["p0", "p1"]) as running:
         yield running
 
@@ -45,8 +45,9 @@ async def test_a_command_over_8_mib_is_a_400_and_pauses_nothing(fleet, roomy_ser
         assert not await rl.is_paused()
         assert not any(w.state().paused for w in f.workers.values())
         # the limit itself is fine
-        reply = reply_decoder.decode((await nc.request(Subjects(prefix).control("pause"), padded_pause(MAX_COMMAND_BYTES),
-                                                       timeout=10)).data)
+        reply = reply_decoder.decode(
+            (await nc.request(Subjects(prefix).control("pause"), padded_pause(MAX_COMMAND_BYTES), timeout=10)).data
+        )
         assert isinstance(reply, FleetAck) and all(w.paused for w in reply.workers)
         await rl.resume()
     finally:

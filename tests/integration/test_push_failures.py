@@ -10,7 +10,6 @@ shape (update), a version string the controller refuses (finish)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,15 +18,15 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 import torch
+from rlbus.schemas import FleetEvent, Subjects, event_decoder
+from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.worker.reference_engine import ReferenceEngine
+from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
 from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
-from rlbus.schemas import FleetEvent, Subjects, event_decoder
 from rlbus.sdk.client import PUSH_SLACK_S, RLClient
-from rlbus.services.controller.service import ControllerOptions
-from rlbus.services.worker.reference_engine import ReferenceEngine
-from rlbus.services.worker.service import WorkerOptions
 from tests.fleet import worker_command
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, new_version, trained
@@ -45,8 +44,12 @@ class Fleet:
         self.proc: subprocess.Popen | None = None
 
     async def start_process(self) -> None:
-        self.proc = spawn(worker_command(self.url, self.prefix, PROC, "gloo", MODEL),
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = spawn(
+            worker_command(self.url, self.prefix, PROC, "gloo", MODEL),
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         await eventually(self._both_serve, timeout=60, what="both workers registered and reconciled")
 
     async def _both_serve(self) -> bool:
@@ -60,8 +63,9 @@ class Fleet:
 
     async def ensure_process(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
-            await eventually(lambda: PROC not in self.f.controller.registry, timeout=LIVENESS_S * 3,
-                             what="the killed worker dropped")
+            await eventually(
+                lambda: PROC not in self.f.controller.registry, timeout=LIVENESS_S * 3, what="the killed worker dropped"
+            )
             await self.start_process()
 
 
@@ -69,9 +73,13 @@ class Fleet:
 async def fleet(nats_server, prefix) -> AsyncIterator[Fleet]:
     subjects = Subjects(prefix=prefix)
     f = LocalFleet(nats_server.url)
-    await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10.0, liveness_timeout_s=LIVENESS_S))
-    await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id="w0", subjects=subjects, heartbeat_s=0.2,
-                                                               weight_transfer_backend="gloo"))
+    await f.start_controller(
+        ControllerOptions(subjects=subjects, command_timeout_s=10.0, liveness_timeout_s=LIVENESS_S)
+    )
+    await f.start_worker(
+        ReferenceEngine(MODEL),
+        WorkerOptions(worker_id="w0", subjects=subjects, heartbeat_s=0.2, weight_transfer_backend="gloo"),
+    )
     rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=20.0)
     fl = Fleet(f, rl, nats_server.url, prefix)
     try:
@@ -103,8 +111,8 @@ async def assert_left_as_found(fl: Fleet, committed: str, *, paused: bool = Fals
     assert_holds(fl.f, "w0", trained(11))
 
 
-async def on_event(nc, subjects: Subjects, kind: str, do) -> object:  # noqa: ANN001
-    async def cb(msg) -> None:  # noqa: ANN001
+async def on_event(nc, subjects: Subjects, kind: str, do) -> object:
+    async def cb(msg) -> None:
         ev = event_decoder.decode(msg.data)
         if isinstance(ev, FleetEvent):
             do()
@@ -170,10 +178,29 @@ async def test_a_failed_push_leaves_a_fleet_it_found_paused_paused(settled):
 
 # ---- the deadline holds with the controller SIGKILLed mid-session -------------------------------
 
+
 def _controller(url: str, prefix: str) -> subprocess.Popen:
-    return spawn([sys.executable, "-m", "rlbus", "controller", "--nats-url", url, "--prefix", prefix,
-                  "--lease", "1", "--liveness-timeout", "1.5", "--command-timeout", "10"],
-                 env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return spawn(
+        [
+            sys.executable,
+            "-m",
+            "rlbus",
+            "controller",
+            "--nats-url",
+            url,
+            "--prefix",
+            prefix,
+            "--lease",
+            "1",
+            "--liveness-timeout",
+            "1.5",
+            "--command-timeout",
+            "10",
+        ],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture
@@ -185,8 +212,10 @@ async def controller_process(nats_server) -> AsyncIterator[tuple[RLClient, subpr
     rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=30.0)
     try:
         for wid in ("d0", "d1"):
-            await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2,
-                                                                       weight_transfer_backend="gloo"))
+            await f.start_worker(
+                ReferenceEngine(MODEL),
+                WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2, weight_transfer_backend="gloo"),
+            )
 
         async def both() -> bool:
             try:

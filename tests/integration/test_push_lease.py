@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 import anyio
 import msgspec
 import pytest
-
-import rlbus
-from rlbus.runners.local import LocalFleet
 from rlbus.schemas import FleetAck, InitWeightTransfer, Subjects
-from rlbus.sdk.client import RLClient
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+import rlbus
+from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, VersionEvents, assert_holds, new_version, trained
 
@@ -32,11 +32,16 @@ PUSH_LEASE_S = 2.0
 async def two_trainers(nats_server) -> AsyncIterator[tuple[LocalFleet, RLClient, RLClient]]:
     p = "l" + uuid.uuid4().hex[:8]
     f = LocalFleet(nats_server.url)
-    await f.start_controller(ControllerOptions(subjects=Subjects(prefix=p), command_timeout_s=10.0, liveness_timeout_s=1.5,
-                                               push_lease_s=PUSH_LEASE_S))
+    await f.start_controller(
+        ControllerOptions(
+            subjects=Subjects(prefix=p), command_timeout_s=10.0, liveness_timeout_s=1.5, push_lease_s=PUSH_LEASE_S
+        )
+    )
     for wid in WORKERS:
-        await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id=wid, subjects=Subjects(prefix=p), heartbeat_s=0.2,
-                                                                  weight_transfer_backend="shm"))
+        await f.start_worker(
+            ReferenceEngine(MODEL),
+            WorkerOptions(worker_id=wid, subjects=Subjects(prefix=p), heartbeat_s=0.2, weight_transfer_backend="shm"),
+        )
     await f.wait_for_workers(WORKERS)
     a = await RLClient.connect(nats_server.url, prefix=p, timeout=30.0)
     b = await RLClient.connect(nats_server.url, prefix=p, timeout=30.0)

@@ -12,18 +12,18 @@ import subprocess
 from collections.abc import AsyncIterator
 
 import pytest
-
-from rlbus.runners.children import spawn
-from rlbus.runners.local import LocalFleet
 from rlbus.schemas import Subjects
-from rlbus.sdk.client import RLClient
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+from rlbus.runners.children import spawn
+from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 from tests.fleet import worker_command
 from tests.looplag import LoopLag
 from tests.waiting import eventually
-from tests.weights_helpers import MODEL, generate_all, new_version, trained
+from tests.weights_helpers import MODEL, new_version, trained
 
 LIVENESS_S = 1.0
 PROC = "wp"
@@ -38,8 +38,10 @@ async def fleet(nats_server, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient
     subjects = Subjects(prefix=prefix)
     f = LocalFleet(nats_server.url)
     await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=5.0, liveness_timeout_s=LIVENESS_S))
-    await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id="w0", subjects=subjects, heartbeat_s=0.2,
-                                                               weight_transfer_backend="gloo"))
+    await f.start_worker(
+        ReferenceEngine(MODEL),
+        WorkerOptions(worker_id="w0", subjects=subjects, heartbeat_s=0.2, weight_transfer_backend="gloo"),
+    )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = spawn(_worker_cmd(nats_server.url, prefix), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=20.0)
@@ -55,7 +57,7 @@ async def fleet(nats_server, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient
         await f.close()
 
 
-async def _drop_and_rejoin(f: LocalFleet, proc: subprocess.Popen, while_away=None) -> None:  # noqa: ANN001
+async def _drop_and_rejoin(f: LocalFleet, proc: subprocess.Popen, while_away=None) -> None:
     """Freeze the worker until the controller drops it, run `while_away`, continue it and
     wait until it is registered again."""
     proc.send_signal(signal.SIGSTOP)
@@ -68,12 +70,13 @@ async def _drop_and_rejoin(f: LocalFleet, proc: subprocess.Popen, while_away=Non
     await eventually(lambda: PROC in f.controller.registry, timeout=15, what="the worker rejoined")
 
 
-def _state(f: LocalFleet):  # noqa: ANN202
+def _state(f: LocalFleet):
     return f.controller.registry.state(PROC)
 
 
 async def test_a_worker_rejoining_a_paused_fleet_is_paused_before_it_counts(fleet):
     f, rl, proc = fleet
+
     async def pause() -> None:
         ack = await rl.pause("wait")  # acked by the others only: the frozen worker is not registered
         assert PROC not in [w.worker_id for w in ack.workers]
@@ -90,6 +93,7 @@ async def test_a_worker_rejoining_a_paused_fleet_is_paused_before_it_counts(flee
 
 async def test_a_worker_rejoining_a_sleeping_fleet_falls_asleep(fleet):
     f, rl, proc = fleet
+
     async def sleep() -> None:
         await rl.pause("abort")
         await rl.sleep(level=1)
@@ -116,7 +120,9 @@ async def test_a_worker_that_missed_a_push_serves_nothing_until_a_peer_repaired_
         # until it holds the committed weights, every reply comes from w0 on them
         while _state(f).withheld:
             reply = await rl.generate([1, 2, 3], 2)
-            assert reply.worker_id == "w0" and reply.weight_version == version, "a worker behind the committed version served"
+            assert reply.worker_id == "w0" and reply.weight_version == version, (
+                "a worker behind the committed version served"
+            )
         # repaired from w0 without a push: exactly the committed bits, version and seq
         st = _state(f)
         assert (st.weight_version, st.weight_seq) == (version, f.controller.version.seq)

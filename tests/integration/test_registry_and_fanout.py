@@ -8,10 +8,7 @@ import time
 
 import nats
 import pytest
-
-import rlbus
 from rlbus.schemas import (
-    WorkerAck,
     Capabilities,
     FleetAck,
     FleetEvent,
@@ -21,6 +18,7 @@ from rlbus.schemas import (
     Resume,
     ServerInfo,
     Subjects,
+    WorkerAck,
     WorkerReady,
     WorkerState,
     encode,
@@ -29,6 +27,8 @@ from rlbus.schemas import (
 )
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+import rlbus
 from tests.fleet import SMALL, fleet_running, start_fleet
 from tests.waiting import eventually
 
@@ -44,7 +44,7 @@ async def left_events(raw, prefix):
     """worker_left events of the module's fleet, in order."""
     events: list[FleetEvent] = []
 
-    async def on(msg) -> None:  # noqa: ANN001
+    async def on(msg) -> None:
         ev = event_decoder.decode(msg.data)
         assert isinstance(ev, FleetEvent)
         events.append(ev)
@@ -54,7 +54,7 @@ async def left_events(raw, prefix):
     return events
 
 
-async def add_worker(f, prefix: str, worker_id: str, **options: object):  # noqa: ANN001, ANN201
+async def add_worker(f, prefix: str, worker_id: str, **options: object):
     svc = await f.start_worker(
         ReferenceEngine(SMALL),
         WorkerOptions(worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.25, **options),  # type: ignore[arg-type]
@@ -63,11 +63,11 @@ async def add_worker(f, prefix: str, worker_id: str, **options: object):  # noqa
     return svc
 
 
-async def listed(rl) -> list[str]:  # noqa: ANN001
+async def listed(rl) -> list[str]:
     return [w.worker_id for w in (await rl.server_info()).workers]
 
 
-async def gather_replies(nc, subject: str, done, timeout: float = 5.0) -> list[dict]:  # noqa: ANN001
+async def gather_replies(nc, subject: str, done, timeout: float = 5.0) -> list[dict]:
     """Publish one request and collect every JSON reply until `done(replies)` holds."""
     replies: list[dict] = []
     inbox = nc.new_inbox()
@@ -157,7 +157,11 @@ async def test_capabilities_are_and_aggregated_over_workers(nats_server, prefix)
         odd = await add_worker(f, p, "none0")  # no transfer backend
         caps = (await rl.server_info()).capabilities
         assert caps.weight_transfer_backend is None
-        assert [w.capabilities.weight_transfer_backend for w in (await rl.server_info()).workers] == ["gloo", "gloo", None]
+        assert [w.capabilities.weight_transfer_backend for w in (await rl.server_info()).workers] == [
+            "gloo",
+            "gloo",
+            None,
+        ]
 
         await f.stop(odd)
         await eventually(lambda: "none0" not in f.controller.registry, timeout=10, what="none0 said goodbye")
@@ -177,7 +181,7 @@ async def test_a_worker_that_never_answers_makes_pause_fail_with_deadline_exceed
     mute = await nats.connect(nats_server.url)
     received: list[str] = []
 
-    async def swallow(msg) -> None:  # noqa: ANN001
+    async def swallow(msg) -> None:
         if msg.subject == subjects.worker("mute", "sync"):  # admission: the one command it answers
             await msg.respond(encode(WorkerAck(state=WorkerState(worker_id="mute"))))
             return
@@ -185,13 +189,19 @@ async def test_a_worker_that_never_answers_makes_pause_fail_with_deadline_exceed
 
     async def beat() -> None:
         while True:
-            await mute.publish(subjects.worker_event("mute", "heartbeat"), encode(Heartbeat(worker_id="mute", state=WorkerState(worker_id="mute"))))
+            await mute.publish(
+                subjects.worker_event("mute", "heartbeat"),
+                encode(Heartbeat(worker_id="mute", state=WorkerState(worker_id="mute"))),
+            )
             await asyncio.sleep(0.25)
 
     await mute.subscribe(subjects.worker_commands("mute"), cb=swallow)
     await mute.flush()
     caps = Capabilities(sleep_mode_enabled=True, model_name="tiny-lm")
-    await mute.publish(subjects.worker_event("mute", "ready"), encode(WorkerReady(worker_id="mute", capabilities=caps, state=WorkerState(worker_id="mute"))))
+    await mute.publish(
+        subjects.worker_event("mute", "ready"),
+        encode(WorkerReady(worker_id="mute", capabilities=caps, state=WorkerState(worker_id="mute"))),
+    )
     beats = asyncio.create_task(beat())
     try:
         await f.wait_for_workers(["mute"])
@@ -217,7 +227,9 @@ async def test_micro_ping_answers_for_the_controller_and_every_worker(fleet, raw
     f, _ = fleet
     assert f.controller is not None
     controllers = await gather_replies(
-        raw, "$SRV.PING.rlbus-controller", lambda rs: any(r["metadata"].get("controller_id") == f.controller.id for r in rs)
+        raw,
+        "$SRV.PING.rlbus-controller",
+        lambda rs: any(r["metadata"].get("controller_id") == f.controller.id for r in rs),
     )
     assert all(r["name"] == "rlbus-controller" for r in controllers)
 
@@ -251,11 +263,16 @@ async def test_undecodable_payload_gets_a_400_service_error_and_changes_nothing(
     assert not any(w.state().paused for w in f.workers.values())
 
 
-@pytest.mark.parametrize("payload, allowed", [
-    (b'{"kind":"pause","mode":"sideways"}', "'abort', 'wait', 'keep'"),
-    (b'{"kind":"pause","mode":5}', "'abort', 'wait', 'keep'"),
-])
-async def test_a_bad_enum_value_is_refused_as_invalid_argument_naming_the_allowed_values(fleet, raw, prefix, payload, allowed):
+@pytest.mark.parametrize(
+    "payload, allowed",
+    [
+        (b'{"kind":"pause","mode":"sideways"}', "'abort', 'wait', 'keep'"),
+        (b'{"kind":"pause","mode":5}', "'abort', 'wait', 'keep'"),
+    ],
+)
+async def test_a_bad_enum_value_is_refused_as_invalid_argument_naming_the_allowed_values(
+    fleet, raw, prefix, payload, allowed
+):
     f, rl = fleet
     msg = await raw.request(Subjects(prefix).control("pause"), payload, timeout=5)
     reply = reply_decoder.decode(msg.data)
@@ -266,7 +283,10 @@ async def test_a_bad_enum_value_is_refused_as_invalid_argument_naming_the_allowe
 
 async def test_bad_sleep_levels_and_tags_are_refused_as_invalid_argument(fleet, raw, prefix):
     f, rl = fleet
-    for payload, allowed in [(b'{"kind":"sleep","level":3}', "1, 2"), (b'{"kind":"sleep","tags":["gpu"]}', "'weights', 'kv_cache'")]:
+    for payload, allowed in [
+        (b'{"kind":"sleep","level":3}', "1, 2"),
+        (b'{"kind":"sleep","tags":["gpu"]}', "'weights', 'kv_cache'"),
+    ]:
         reply = reply_decoder.decode((await raw.request(Subjects(prefix).control("sleep"), payload, timeout=5)).data)
         assert isinstance(reply, Nack) and reply.code == "INVALID_ARGUMENT" and allowed in reply.message, reply
     with pytest.raises(rlbus.InvalidArgument, match="allowed values: 1, 2"):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from rlbus.schemas import FleetEvent, Subjects, event_decoder
+from rlbus.schemas import FleetEvent, event_decoder
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
 from tests.fleet import fleet_running
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, new_version, trained
@@ -22,8 +22,10 @@ WORKERS = ("r0", "r1")
 
 
 @pytest.fixture(scope="module")
-async def fleet(nats_server, prefix):  # noqa: ANN001, ANN201
-    async with fleet_running(nats_server.url, prefix + "repair", WORKERS, weight_transfer_backend="gloo", model=MODEL) as f:
+async def fleet(nats_server, prefix):
+    async with fleet_running(
+        nats_server.url, prefix + "repair", WORKERS, weight_transfer_backend="gloo", model=MODEL
+    ) as f:
         yield f
 
 
@@ -33,7 +35,7 @@ class Events:
     def __init__(self) -> None:
         self.seen: list[FleetEvent] = []
 
-    async def on(self, msg) -> None:  # noqa: ANN001
+    async def on(self, msg) -> None:
         ev = event_decoder.decode(msg.data)
         if isinstance(ev, FleetEvent):
             self.seen.append(ev)
@@ -42,17 +44,18 @@ class Events:
         return [e for e in self.seen if e.event == kind and worker in e.workers]
 
 
-async def start_worker(f, wid: str, seed: int = 0):  # noqa: ANN001, ANN201
+async def start_worker(f, wid: str, seed: int = 0):
     """A worker on its own initial weights (a TinyLM of the fleet's shape, from `seed`)."""
     import msgspec
 
     subjects = f.controller.subjects
     engine = ReferenceEngine(msgspec.structs.replace(MODEL, seed=seed))
-    return await f.start_worker(engine, WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25,
-                                                      weight_transfer_backend="gloo"))
+    return await f.start_worker(
+        engine, WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend="gloo")
+    )
 
 
-async def test_a_new_worker_serves_the_committed_version_without_a_push(fleet):  # noqa: ANN001
+async def test_a_new_worker_serves_the_committed_version_without_a_push(fleet):
     f, rl = fleet
     named = trained(11)
     version = new_version("repair")
@@ -75,13 +78,16 @@ async def test_a_new_worker_serves_the_committed_version_without_a_push(fleet): 
         await f.stop(f.workers.pop("r-new"))
 
 
-async def test_a_worker_restarted_on_its_initial_weights_is_repaired_and_the_next_push_is_a_delta(fleet):  # noqa: ANN001
+async def test_a_worker_restarted_on_its_initial_weights_is_repaired_and_the_next_push_is_a_delta(fleet):
     f, rl = fleet
     await rl.push_weights(trained(12), new_version("repair"), delta=True)  # tracked: the base of the next delta
     await f.stop(f.workers.pop("r1"))
     await start_worker(f, "r1")  # same id, initial weights
-    await eventually(lambda: _serving(f, "r1") and f.workers["r1"].state().weight_seq == f.controller.version.seq,
-                     timeout=30, what="r1 repaired")
+    await eventually(
+        lambda: _serving(f, "r1") and f.workers["r1"].state().weight_seq == f.controller.version.seq,
+        timeout=30,
+        what="r1 repaired",
+    )
     nxt = trained(13)
     await rl.push_weights(nxt, new_version("repair"), delta=True)
     last = rl.last_push
@@ -90,7 +96,7 @@ async def test_a_worker_restarted_on_its_initial_weights_is_repaired_and_the_nex
         assert_holds(f, w, nxt)
 
 
-async def test_a_peer_whose_bits_differ_is_never_a_source(fleet):  # noqa: ANN001
+async def test_a_peer_whose_bits_differ_is_never_a_source(fleet):
     f, rl = fleet
     named = trained(14)
     await rl.push_weights(named, new_version("repair"))
@@ -113,37 +119,54 @@ async def test_a_peer_whose_bits_differ_is_never_a_source(fleet):  # noqa: ANN00
         await f.stop(f.workers.pop("r-new"))
 
 
-async def test_server_info_names_no_repair_when_the_fleet_is_current(fleet):  # noqa: ANN001
+async def test_server_info_names_no_repair_when_the_fleet_is_current(fleet):
     _, rl = fleet
     info = await rl.server_info()
     assert info.repairing == {} and info.repair_problem == ""
 
 
-def _serving(f, wid: str) -> bool:  # noqa: ANN001
+def _serving(f, wid: str) -> bool:
     w = f.workers.get(wid)
     return w is not None and not w.book.withheld and wid in f.controller.registry.ids()
 
 
-async def test_a_new_worker_gets_the_committed_draft_too(nats_server, prefix):  # noqa: ANN001
+async def test_a_new_worker_gets_the_committed_draft_too(nats_server, prefix):
     import msgspec
 
     from tests.fleet import SMALL
 
     draft_kw = {"draft_config": SMALL, "num_speculative_tokens": 2}
-    async with fleet_running(nats_server.url, prefix + "repair-draft", ("d0",), weight_transfer_backend="gloo", model=MODEL,
-                             engine_kw=draft_kw) as (f, rl):
+    async with fleet_running(
+        nats_server.url,
+        prefix + "repair-draft",
+        ("d0",),
+        weight_transfer_backend="gloo",
+        model=MODEL,
+        engine_kw=draft_kw,
+    ) as (f, rl):
         main, draft = trained(15), trained(16, SMALL)
         await rl.push_weights(main, new_version("main"))
         await rl.push_weights(draft, new_version("draft"), draft=True)
-        engine = ReferenceEngine(msgspec.structs.replace(MODEL, seed=97),
-                                 draft_config=msgspec.structs.replace(SMALL, seed=96), num_speculative_tokens=2)
-        new = await f.start_worker(engine, WorkerOptions(worker_id="d-new", subjects=f.controller.subjects, heartbeat_s=0.25,
-                                                         weight_transfer_backend="gloo"))
+        engine = ReferenceEngine(
+            msgspec.structs.replace(MODEL, seed=97),
+            draft_config=msgspec.structs.replace(SMALL, seed=96),
+            num_speculative_tokens=2,
+        )
+        new = await f.start_worker(
+            engine,
+            WorkerOptions(
+                worker_id="d-new", subjects=f.controller.subjects, heartbeat_s=0.25, weight_transfer_backend="gloo"
+            ),
+        )
         v = f.controller.version
 
         def both_repaired() -> bool:
             st = new.state()
-            return (st.weight_seq, st.draft_seq, st.draft_version) == (v.seq, v.draft_seq, v.draft_version) and not st.withheld
+            return (st.weight_seq, st.draft_seq, st.draft_version) == (
+                v.seq,
+                v.draft_seq,
+                v.draft_version,
+            ) and not st.withheld
 
         await eventually(both_repaired, timeout=30, what="main and draft repaired")
         assert_holds(f, "d-new", main)

@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator
 import anyio
 import msgspec
 import pytest
-
-from rlbus.runners.children import spawn
-from rlbus.runners.local import LocalFleet
 from rlbus.schemas import FleetEvent, Subjects, event_decoder
-from rlbus.sdk.client import RLClient
 from rlbus.services.controller.repair import RepairOptions
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+from rlbus.runners.children import spawn
+from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 from tests.fleet import worker_command
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, new_version, trained
@@ -34,12 +34,21 @@ PROC = "a-proc"
 async def fleet(nats_server, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient, subprocess.Popen, Subjects]]:
     subjects = Subjects(prefix=prefix + "rp")
     f = LocalFleet(nats_server.url)
-    await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=5.0, liveness_timeout_s=1.0,
-                                               repair=RepairOptions(timeout_s=20.0)))
-    await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id="b0", subjects=subjects, heartbeat_s=0.2,
-                                                               weight_transfer_backend="gloo"))
-    proc = spawn(worker_command(nats_server.url, subjects.prefix, PROC, "gloo", MODEL),
-                 env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    await f.start_controller(
+        ControllerOptions(
+            subjects=subjects, command_timeout_s=5.0, liveness_timeout_s=1.0, repair=RepairOptions(timeout_s=20.0)
+        )
+    )
+    await f.start_worker(
+        ReferenceEngine(MODEL),
+        WorkerOptions(worker_id="b0", subjects=subjects, heartbeat_s=0.2, weight_transfer_backend="gloo"),
+    )
+    proc = spawn(
+        worker_command(nats_server.url, subjects.prefix, PROC, "gloo", MODEL),
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     rl = await RLClient.connect(nats_server.url, prefix=subjects.prefix, timeout=30.0)
     try:
         await eventually(lambda: PROC in f.controller.registry, timeout=60, what="the worker process registered")
@@ -56,7 +65,7 @@ class Events:
     def __init__(self) -> None:
         self.seen: list[FleetEvent] = []
 
-    async def on(self, msg) -> None:  # noqa: ANN001
+    async def on(self, msg) -> None:
         ev = event_decoder.decode(msg.data)
         if isinstance(ev, FleetEvent):
             self.seen.append(ev)
@@ -65,19 +74,21 @@ class Events:
         return [e for e in self.seen if e.event == kind and worker in e.workers]
 
 
-async def _new_worker(f: LocalFleet, subjects: Subjects, wid: str, seed: int):  # noqa: ANN202
-    return await f.start_worker(ReferenceEngine(msgspec.structs.replace(MODEL, seed=seed)),
-                                WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2, weight_transfer_backend="gloo"))
+async def _new_worker(f: LocalFleet, subjects: Subjects, wid: str, seed: int):
+    return await f.start_worker(
+        ReferenceEngine(msgspec.structs.replace(MODEL, seed=seed)),
+        WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.2, weight_transfer_backend="gloo"),
+    )
 
 
-async def test_a_peer_killed_while_it_sends_a_repair_is_replaced_by_another(fleet):  # noqa: ANN001
+async def test_a_peer_killed_while_it_sends_a_repair_is_replaced_by_another(fleet):
     f, rl, proc, subjects = fleet
     named = trained(51)
     await rl.push_weights(named, new_version("rp"))
     events = Events()
     subs = [await rl.nc.subscribe(subjects.event(k), cb=events.on) for k in ("worker_repaired", "repair_failed")]
 
-    async def kill_the_sender(msg) -> None:  # noqa: ANN001 - the moment the peer is told to send
+    async def kill_the_sender(msg) -> None:
         proc.send_signal(signal.SIGKILL)
 
     subs.append(await rl.nc.subscribe(subjects.worker(PROC, "send_weights"), cb=kill_the_sender))
@@ -106,7 +117,7 @@ async def test_a_peer_killed_while_it_sends_a_repair_is_replaced_by_another(flee
             await s.unsubscribe()
 
 
-async def test_a_push_that_arrives_during_a_repair_commits_on_the_whole_fleet(fleet):  # noqa: ANN001
+async def test_a_push_that_arrives_during_a_repair_commits_on_the_whole_fleet(fleet):
     f, rl, proc, subjects = fleet
     await rl.push_weights(trained(52), new_version("rp"))
     await _new_worker(f, subjects, "z-late", seed=78)  # its repair starts now

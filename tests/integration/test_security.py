@@ -15,17 +15,17 @@ import sys
 import time
 
 import pytest
-
-import rlbus
-from rlbus.sdk.client import RLClient
-from rlbus.bus.connection import NatsAuth, connect, denials_of, drain, request
-from rlbus.runners.local import LocalFleet
-from rlbus.runners.natsconfig import identities, permission_matrix, read_env_file, write_config
-from rlbus.runners.natsserver import NatsServer
 from rlbus.schemas import PauseWorker, Subjects, WorkerAck, WorkerGone, WorkerState, encode
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+import rlbus
+from rlbus.bus.connection import NatsAuth, connect, denials_of, drain, request
+from rlbus.runners.local import LocalFleet
+from rlbus.runners.natsconfig import identities, read_env_file, write_config
+from rlbus.runners.natsserver import NatsServer
+from rlbus.sdk.client import RLClient
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, first_watched_version, new_version, trained
 
@@ -44,7 +44,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def secure(tmp_path_factory):  # noqa: ANN201
+def secure(tmp_path_factory):
     """(server, {identity: env}) for a server whose only users are the rlbus roles and one per worker."""
     paths = write_config(tmp_path_factory.mktemp("nats-secure"), prefix=PREFIX, workers=WORKERS)
     with NatsServer(config_file=paths["config"]) as server:
@@ -52,7 +52,7 @@ def secure(tmp_path_factory):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-async def fleet(secure):  # noqa: ANN201
+async def fleet(secure):
     """Controller and workers started with THEIR credentials (read from RLBUS_NATS_*): each worker its own."""
     server, creds = secure
     subjects = Subjects(prefix=PREFIX)
@@ -62,21 +62,26 @@ async def fleet(secure):  # noqa: ANN201
             for key in ("RLBUS_NATS_USER", "RLBUS_NATS_PASSWORD", "RLBUS_NATS_INBOX"):
                 mp.setenv(key, creds[role][key])
             if opts is None:
-                await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10.0, liveness_timeout_s=1.5))
+                await f.start_controller(
+                    ControllerOptions(subjects=subjects, command_timeout_s=10.0, liveness_timeout_s=1.5)
+                )
             else:
                 await f.start_worker(
                     ReferenceEngine(MODEL),
                     WorkerOptions(worker_id=opts, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend="gloo"),
                 )
     # bounded: a config that stops workers from answering shows here, not as a 2-minute hang
-    await eventually(lambda: all(w in f.controller.registry for w in WORKERS), timeout=20,
-                     what="every worker registered under least-privilege credentials")
+    await eventually(
+        lambda: all(w in f.controller.registry for w in WORKERS),
+        timeout=20,
+        what="every worker registered under least-privilege credentials",
+    )
     yield f
     await f.close()
 
 
 @pytest.fixture(scope="module")
-async def trainer(secure, fleet):  # noqa: ANN201
+async def trainer(secure, fleet):
     server, creds = secure
     rl = await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["trainer"]))
     yield rl
@@ -151,9 +156,22 @@ async def test_a_wrong_password_is_refused_quickly(secure):
 def test_the_cli_refuses_a_wrong_password_naming_permission_denied(secure):
     server, _ = secure
     result = subprocess.run(
-        [sys.executable, "-m", "rlbus", "status", "--nats-url", server.url,
-         "--nats-user", "rlbus-trainer", "--nats-password", "wrong"],
-        capture_output=True, text=True, timeout=60, env=_clean_env(),
+        [
+            sys.executable,
+            "-m",
+            "rlbus",
+            "status",
+            "--nats-url",
+            server.url,
+            "--nats-user",
+            "rlbus-trainer",
+            "--nats-password",
+            "wrong",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(),
     )
     assert result.returncode != 0
     assert "PERMISSION_DENIED" in result.stderr, result.stderr
@@ -175,7 +193,10 @@ def test_a_service_started_with_the_wrong_role_exits_2_naming_the_subject(secure
     server, creds = secure
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus", "worker", "--nats-url", server.url, "--id", "bad"],
-        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["trainer"]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(**creds["trainer"]),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rl.worker.bad" in proc.stderr.lower() or "rl.worker.ready" in proc.stderr.lower(), proc.stderr[-3000:]
@@ -187,7 +208,10 @@ def test_a_controller_started_with_a_workers_credentials_exits_2_naming_the_jets
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus", "controller", "--nats-url", server.url, "--prefix", "rlx"],
-        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["worker-w0"]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(**creds["worker-w0"]),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "$js.api" in proc.stderr.lower() and "denies" in proc.stderr, proc.stderr[-3000:]
@@ -199,7 +223,10 @@ def test_nats_config_cli_writes_private_files_a_server_accepts(tmp_path):
     out = tmp_path / "conf"
     result = subprocess.run(
         [sys.executable, "-m", "rlbus", "nats-config", "--out", str(out)],
-        capture_output=True, text=True, timeout=60, env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(),
     )
     assert result.returncode == 0, result.stderr
     files = {p.name: p for p in out.iterdir()}
@@ -226,11 +253,10 @@ def _check_login(url: str, env: dict[str, str]) -> None:
     anyio.run(login)
 
 
-
 # ---- one identity per worker; replies only to their requester ----------------------------------
 
 
-async def _denied(nc, subject: str) -> None:  # noqa: ANN001
+async def _denied(nc, subject: str) -> None:
     await eventually(lambda: denials_of(nc).denied(subject), timeout=5, what=f"the server refusing {subject}")
 
 
@@ -261,7 +287,7 @@ async def test_a_worker_identity_cannot_hear_or_answer_another_workers_commands(
     nc = await connect(server.url, name="rogue-w0", auth=_auth(creds["worker-w0"]))
     forged = encode(WorkerAck(state=WorkerState(worker_id="w1", paused=True, weight_version="FORGED")))
 
-    async def answer(msg) -> None:  # noqa: ANN001
+    async def answer(msg) -> None:
         await msg.respond(forged)
 
     try:
@@ -301,7 +327,10 @@ def test_a_worker_with_another_workers_credentials_cannot_join_as_it(secure, fle
     server, creds = secure
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus", "worker", "--nats-url", server.url, "--id", "w1"],
-        capture_output=True, text=True, timeout=60, env=_clean_env(**creds["worker-w0"]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(**creds["worker-w0"]),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rl.worker.w1.status" in proc.stderr.lower() and "denies" in proc.stderr, proc.stderr[-3000:]
@@ -311,8 +340,12 @@ def test_a_worker_with_another_workers_credentials_cannot_join_as_it(secure, fle
 async def test_a_reader_cannot_make_the_server_publish_on_rl_version(secure, fleet, trainer):
     server, creds = secure
     stream = Subjects(prefix=PREFIX).kv_stream
-    config = json.dumps({"stream_name": stream, "config": {"deliver_subject": "rl.version", "deliver_policy": "all",
-                                                           "ack_policy": "none"}}).encode()
+    config = json.dumps(
+        {
+            "stream_name": stream,
+            "config": {"deliver_subject": "rl.version", "deliver_policy": "all", "ack_policy": "none"},
+        }
+    ).encode()
     for identity in ("observer", "trainer"):
         nc = await connect(server.url, name=f"rogue-{identity}", auth=_auth(creds[identity]))
         try:

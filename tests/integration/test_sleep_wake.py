@@ -29,7 +29,7 @@ async def awake_fleet(fleet):
     await eventually(lambda: all(w.state().in_flight == 0 for w in f.workers.values()), what="fleet idle")
 
 
-async def generate_all(rl, max_tokens: int = 12) -> list[list[int]]:  # noqa: ANN001
+async def generate_all(rl, max_tokens: int = 12) -> list[list[int]]:
     replies = await asyncio.gather(*(rl.generate(p, max_tokens) for p in PROMPTS))
     assert all(r.finish_reason == "length" for r in replies)
     return [r.tokens for r in replies]

@@ -31,8 +31,8 @@ from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
 from rlbus.runners.children import spawn
-from rlbus.sdk.client import RLClient
 from rlbus.runners.local import LocalFleet
+from rlbus.sdk.client import RLClient
 from tests.fleet import worker_command
 from tests.waiting import eventually
 from tests.weights_helpers import (
@@ -61,8 +61,12 @@ GEN_TOKENS = 6
 
 
 def _options(prefix: str) -> ControllerOptions:
-    return ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=COMMAND_TIMEOUT_S,
-                             liveness_timeout_s=LIVENESS_S, lease_s=1.0)
+    return ControllerOptions(
+        subjects=Subjects(prefix=prefix),
+        command_timeout_s=COMMAND_TIMEOUT_S,
+        liveness_timeout_s=LIVENESS_S,
+        lease_s=1.0,
+    )
 
 
 def _worker_cmd(url: str, prefix: str) -> list[str]:
@@ -72,7 +76,9 @@ def _worker_cmd(url: str, prefix: str) -> list[str]:
 async def _worker(f: LocalFleet, prefix: str, worker_id: str) -> None:
     await f.start_worker(
         ReferenceEngine(MODEL),
-        WorkerOptions(worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm"),
+        WorkerOptions(
+            worker_id=worker_id, subjects=Subjects(prefix=prefix), heartbeat_s=0.2, weight_transfer_backend="shm"
+        ),
     )
     await f.wait_for_workers([worker_id])
 
@@ -81,11 +87,15 @@ async def _group_ready(rl: RLClient) -> None:
     """A transfer group of exactly the registered workers (short collective timeout)."""
     info = await rl.server_info()
     members = sorted(w.worker_id for w in info.workers)
-    if not rl.transfer_ready or members != sorted(rl.push.group) or not all(w.state.transfer_ready for w in info.workers):
+    if (
+        not rl.transfer_ready
+        or members != sorted(rl.push.group)
+        or not all(w.state.transfer_ready for w in info.workers)
+    ):
         await rl.init_weight_transfer(timeout_s=5)
 
 
-def _builds(build, kind: type, workers: list[str]) -> bool:  # noqa: ANN001
+def _builds(build, kind: type, workers: list[str]) -> bool:
     """Whether a controller fan-out builder makes `kind` commands."""
     try:
         return bool(workers) and isinstance(build(workers[0], 0, ""), kind)
@@ -101,19 +111,28 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 @pytest.fixture(scope="module")
-async def fleet(nats_server, prefix, tmp_path_factory) -> AsyncIterator[tuple[LocalFleet, RLClient, subprocess.Popen, Path]]:
+async def fleet(
+    nats_server, prefix, tmp_path_factory
+) -> AsyncIterator[tuple[LocalFleet, RLClient, subprocess.Popen, Path]]:
     log = tmp_path_factory.mktemp("soak") / f"{PROC}.log"
     with log.open("wb") as out:  # the process boots (imports torch) while the in-process fleet starts
-        proc = spawn(_worker_cmd(nats_server.url, prefix), env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                     stdout=out, stderr=subprocess.STDOUT)
+        proc = spawn(
+            _worker_cmd(nats_server.url, prefix),
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     f = LocalFleet(nats_server.url)
     rl = None
     try:
         await f.start_controller(_options(prefix))
         for wid in ("s0", "s1", "s2"):
             await _worker(f, prefix, wid)
-        await eventually(lambda: f.controller is not None and PROC in f.controller.registry, timeout=60,
-                         what=f"the worker process registered; its log:\n{_tail(log)}")
+        await eventually(
+            lambda: f.controller is not None and PROC in f.controller.registry,
+            timeout=60,
+            what=f"the worker process registered; its log:\n{_tail(log)}",
+        )
         rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=20.0)
         await rl.init_weight_transfer(timeout_s=5)
         yield f, rl, proc, log
@@ -184,7 +203,9 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                 assert w.state.weight_version != want and w.state.withheld, f"{w.worker_id} {where}"
             else:
                 assert (w.state.weight_version, w.state.weight_seq) == (want, info.weight_seq), f"{w.worker_id} {where}"
-                assert not w.state.withheld and w.state.session_id is None and not w.state.paused, f"{w.worker_id} {where}"
+                assert not w.state.withheld and w.state.session_id is None and not w.state.paused, (
+                    f"{w.worker_id} {where}"
+                )
         everyone_behind = bool(behind) and set(behind) == set(registered())
         try:
             vi = await rl.get_weight_version_info()
@@ -194,7 +215,8 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
         else:
             assert (vi.version, vi.seq) == (want, info.weight_seq), (
                 f"get_weight_version_info() reported {vi.version!r} (seq {vi.seq}) while the committed version is "
-                f"{want!r} (seq {info.weight_seq}) and {sorted(behind) or 'no worker'} lag {where}")
+                f"{want!r} (seq {info.weight_seq}) and {sorted(behind) or 'no worker'} lag {where}"
+            )
         current = (want, info.weight_seq)
         for wid, w in f.workers.items():
             assert w.updates.session_id is None, f"{wid} {where}"
@@ -205,8 +227,9 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                 assert_holds(f, wid, holds)
         # no reply from weights other than the committed ones: version, sequence and tokens
         if everyone_behind:  # nobody may serve: the request finds no responders (short deadline)
-            for outcome in await asyncio.gather(*(rl.generate(p, GEN_TOKENS, timeout=1.0) for p in GEN_PROMPTS[:2]),
-                                                return_exceptions=True):
+            for outcome in await asyncio.gather(
+                *(rl.generate(p, GEN_TOKENS, timeout=1.0) for p in GEN_PROMPTS[:2]), return_exceptions=True
+            ):
                 assert isinstance(outcome, rlbus.Unavailable), f"{outcome!r} while every worker is behind {where}"
             return
         if want not in expected_tokens:
@@ -235,7 +258,7 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                 victim = f.workers[rng.choice(sorted(f.workers))]
                 prepare = victim.updates.prepare
 
-                async def late_prepare(session_id: str, timeout: float, checksums, prepare=prepare) -> None:  # noqa: ANN001
+                async def late_prepare(session_id: str, timeout: float, checksums, prepare=prepare) -> None:
                     await anyio.sleep(COMMAND_TIMEOUT_S + 0.5)  # the injected fault: stuck in phase 1
                     await prepare(session_id, timeout, checksums)
 
@@ -255,21 +278,28 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                     await rl.finish_weight_update(f"never-{i}")
                 assert err.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "FAILED_PRECONDITION")
                 failures[type(err.value).__name__] += 1
-                await eventually(lambda gone=victim_id: gone not in f.controller.registry, timeout=LIVENESS_S + 3,
-                                 what=f"{victim_id} dropped")
+                await eventually(
+                    lambda gone=victim_id: gone not in f.controller.registry,
+                    timeout=LIVENESS_S + 3,
+                    what=f"{victim_id} dropped",
+                )
                 await _worker(f, prefix, f"r{i}")  # a replacement on the fresh model: stale until the next push
                 assert (await rl.server_info()).session_id is None
                 await push(seed + 500)  # must rebuild the group for the new membership
             elif kind == "freeze":
                 proc.send_signal(signal.SIGSTOP)
                 try:
-                    await eventually(lambda: PROC not in f.controller.registry, timeout=LIVENESS_S + 5,
-                                     what=f"the frozen {PROC} dropped")
+                    await eventually(
+                        lambda: PROC not in f.controller.registry,
+                        timeout=LIVENESS_S + 5,
+                        what=f"the frozen {PROC} dropped",
+                    )
                     await push(seed)  # commits on the others; the group is rebuilt without it
                 finally:
                     proc.send_signal(signal.SIGCONT)
-                await eventually(lambda: PROC in f.controller.registry, timeout=15,
-                                 what=f"{PROC} rejoined; its log:\n{_tail(log)}")
+                await eventually(
+                    lambda: PROC in f.controller.registry, timeout=15, what=f"{PROC} rejoined; its log:\n{_tail(log)}"
+                )
                 behind.add(PROC)  # it missed that commit: withheld until the next one
             elif kind == "controller":
                 when = CONTROLLER_KILLS[done[kind] % len(CONTROLLER_KILLS)]  # every kill point, in turn
@@ -282,7 +312,7 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                     send = old.fleet.send
                     phase2 = anyio.Event()
 
-                    async def crash_after_commit(build, workers=None, timeout=None, send=send, old=old, phase2=phase2):  # noqa: ANN001, ANN202
+                    async def crash_after_commit(build, workers=None, timeout=None, send=send, old=old, phase2=phase2):
                         out = await send(build, workers, timeout)
                         if _builds(build, CommitWorker, workers or old.registry.ids()):
                             await old.nc.close()  # dies here: nothing it does after phase 2 reaches anyone
@@ -311,7 +341,7 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                     real = getattr(rl.push, step)
                     reached, go = anyio.Event(), anyio.Event()
 
-                    async def held(*args, real=real, reached=reached, go=go, **kw):  # noqa: ANN002, ANN003, ANN202
+                    async def held(*args, real=real, reached=reached, go=go, **kw):
                         reached.set()
                         await go.wait()
                         return await real(*args, **kw)
@@ -319,8 +349,10 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
                     monkeypatch.setattr(rl.push, step, held)
                     pushing = asyncio.create_task(rl.push_weights(trained(seed), f"never-{i}"))
                     try:
-                        await eventually(lambda reached=reached: f.controller.updates.session_id is not None and reached.is_set(),
-                                         what="a push with its session open")
+                        await eventually(
+                            lambda reached=reached: f.controller.updates.session_id is not None and reached.is_set(),
+                            what="a push with its session open",
+                        )
                         await f.kill(f.controller)
                         go.set()  # the held call finds no controller: the SDK retries it through the handover
                         await restart_controller()
@@ -349,12 +381,17 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
     info = await rl.server_info()
     assert [w.state.weight_version for w in info.workers] == [committed[-1]] * len(registered())
     took = time.monotonic() - started
-    print(f"\nsoak (seed {SEED}): {dict(done)} iterations, {len(committed)} commits, failures raised {dict(failures)}, "
-          f"controller kills {dict(kills)}, replies by worker {dict(served_by)}, {took:.1f}s")
+    print(
+        f"\nsoak (seed {SEED}): {dict(done)} iterations, {len(committed)} commits, failures raised {dict(failures)}, "
+        f"controller kills {dict(kills)}, replies by worker {dict(served_by)}, {took:.1f}s"
+    )
     assert done == Counter(SCHEDULE), "every scheduled fault ran"
-    assert len(committed) == SCHEDULE["clean"] + SCHEDULE["kill"] + SCHEDULE["freeze"] + SCHEDULE["controller"] + closing
-    assert sum(failures.values()) == (SCHEDULE["corrupt"] + SCHEDULE["slow"] + SCHEDULE["kill"]
-                                      + SCHEDULE["controller"] - kills["between"])
+    assert (
+        len(committed) == SCHEDULE["clean"] + SCHEDULE["kill"] + SCHEDULE["freeze"] + SCHEDULE["controller"] + closing
+    )
+    assert sum(failures.values()) == (
+        SCHEDULE["corrupt"] + SCHEDULE["slow"] + SCHEDULE["kill"] + SCHEDULE["controller"] - kills["between"]
+    )
     assert set(kills) == set(CONTROLLER_KILLS), "the controller was killed at every point"
     assert PROC in served_by, f"{PROC} never served generation"
     assert took < BUDGET_S

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from rlbus.services.worker.reference_engine import ReferenceEngine
 
 import rlbus
 from rlbus.models.tinylm import TinyLM
-from rlbus.services.worker.reference_engine import ReferenceEngine
 from tests.fleet import SMALL, start_fleet
 
 PROMPTS = [[1, 2, 3], [5, 9], [7, 7, 7, 7], [11, 30, 2], [40, 41]]
@@ -22,7 +22,7 @@ def _params(engine: ReferenceEngine, target: str) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in engine.parameters_of(target).items()}  # type: ignore[arg-type]
 
 
-async def _acceptance(rl) -> tuple[float, list[list[int]]]:  # noqa: ANN001
+async def _acceptance(rl) -> tuple[float, list[list[int]]]:
     proposed = accepted = 0
     outputs = []
     for p in PROMPTS:
@@ -37,7 +37,9 @@ async def _acceptance(rl) -> tuple[float, list[list[int]]]:  # noqa: ANN001
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
     fleet, rl = await start_fleet(
-        nats_server.url, prefix, weight_transfer_backend="gloo",
+        nats_server.url,
+        prefix,
+        weight_transfer_backend="gloo",
         engine_kw={"draft_config": SMALL, "num_speculative_tokens": 4},
     )
     await rl.init_weight_transfer(timeout_s=20)
@@ -135,7 +137,9 @@ async def test_draft_update_is_refused_where_a_worker_has_no_draft(nats_server, 
 
 async def test_a_backend_that_cannot_update_drafts_is_refused_before_anything_starts(nats_server, prefix):
     f, rl = await start_fleet(
-        nats_server.url, prefix + "nb", weight_transfer_backend="gloo",
+        nats_server.url,
+        prefix + "nb",
+        weight_transfer_backend="gloo",
         engine_kw={"draft_config": SMALL, "draft_updates_supported": False},
     )
     try:
@@ -151,7 +155,9 @@ async def test_a_backend_that_cannot_update_drafts_is_refused_before_anything_st
 
 async def test_the_disable_policy_turns_speculation_off_while_the_draft_is_stale(nats_server, prefix):
     f, rl = await start_fleet(
-        nats_server.url, prefix + "sp", weight_transfer_backend="gloo",
+        nats_server.url,
+        prefix + "sp",
+        weight_transfer_backend="gloo",
         engine_kw={"draft_config": SMALL, "stale_draft_policy": "disable"},
     )
     try:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import nats
 import pytest
-
-import rlbus
 from rlbus.schemas import FleetEvent, KvKey, Subjects, event_decoder
 from rlbus.services.controller.service import ControllerOptions
+
+import rlbus
 from tests.fleet import fleet_running
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, new_version, trained
@@ -19,8 +19,13 @@ WORKERS = ("w0", "w1")
 
 @pytest.fixture
 async def fleet(nats_server, prefix):
-    async with fleet_running(nats_server.url, prefix + new_version("loss").replace("-", ""), WORKERS,
-                             weight_transfer_backend="gloo", model=MODEL) as running:
+    async with fleet_running(
+        nats_server.url,
+        prefix + new_version("loss").replace("-", ""),
+        WORKERS,
+        weight_transfer_backend="gloo",
+        model=MODEL,
+    ) as running:
         yield running
 
 
@@ -32,10 +37,10 @@ async def _delete_bucket(url: str, subjects: Subjects) -> None:
         await nc.close()
 
 
-async def _lost_events(rl) -> list[FleetEvent]:  # noqa: ANN001
+async def _lost_events(rl) -> list[FleetEvent]:
     seen: list[FleetEvent] = []
 
-    async def on(msg) -> None:  # noqa: ANN001
+    async def on(msg) -> None:
         seen.append(event_decoder.decode(msg.data))
 
     await rl.nc.subscribe(rl.subjects.event("state_lost"), cb=on)
@@ -62,7 +67,9 @@ async def test_a_bucket_deleted_under_a_running_controller_is_recreated_with_its
 
     # a controller started next takes a higher epoch: the workers obey it
     await f.stop(f.controller)
-    new = await f.start_controller(ControllerOptions(subjects=rl.subjects, command_timeout_s=10.0, liveness_timeout_s=1.5))
+    new = await f.start_controller(
+        ControllerOptions(subjects=rl.subjects, command_timeout_s=10.0, liveness_timeout_s=1.5)
+    )
     await f.wait_for_workers(WORKERS)
     assert new.epoch > epoch
     assert (await rl.push_weights(trained(53), new_version("next"))).epoch == new.epoch
@@ -78,7 +85,9 @@ async def test_a_controller_started_on_a_lost_bucket_takes_an_epoch_above_the_wo
     await _delete_bucket(nats_server.url, rl.subjects)
     lost = await _lost_events(rl)
 
-    new = await f.start_controller(ControllerOptions(subjects=rl.subjects, command_timeout_s=10.0, liveness_timeout_s=1.5))
+    new = await f.start_controller(
+        ControllerOptions(subjects=rl.subjects, command_timeout_s=10.0, liveness_timeout_s=1.5)
+    )
     await f.wait_for_workers(WORKERS)
     assert new.epoch > old_epoch, "the epoch went backwards: every command would be fenced out"
     await eventually(lambda: lost, what="a state_lost event")

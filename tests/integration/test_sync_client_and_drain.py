@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rlbus.schemas import FleetAck, GenerateReply
 
 import rlbus
 from rlbus.sdk.client import SyncRLClient
-from rlbus.schemas import FleetAck, GenerateReply
 from tests.fleet import LONG, fleet_running, start_fleet
 from tests.waiting import eventually
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import rlbus
-from rlbus.sdk.client import RLClient
 from rlbus.bus.connection import NatsAuth
 from rlbus.runners.natsconfig import Tls, read_env_file, write_config
 from rlbus.runners.natsserver import NatsServer
+from rlbus.sdk.client import RLClient
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -20,9 +20,26 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs t
 def _self_signed(folder: Path) -> tuple[Path, Path]:
     cert, key = folder / "server.pem", folder / "server-key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
@@ -36,9 +53,11 @@ def tls_server(tmp_path_factory):
         yield server, paths, cert
 
 
-def _trainer(paths, **tls) -> NatsAuth:  # noqa: ANN001, ANN003
+def _trainer(paths, **tls) -> NatsAuth:
     env = read_env_file(paths["trainer"])
-    return NatsAuth(user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"], inbox=env["RLBUS_NATS_INBOX"], **tls)
+    return NatsAuth(
+        user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"], inbox=env["RLBUS_NATS_INBOX"], **tls
+    )
 
 
 async def test_a_client_that_trusts_the_servers_ca_connects_over_tls(tls_server):

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import msgspec
 import pytest
 import torch
-
 from rlbus.schemas import TransferInit
+
 from rlbus.transfer import (
     ChecksumMismatch,
     TransferError,
@@ -56,8 +56,12 @@ def digests(named) -> dict[str, str]:
 
 
 def new_init(backend: str, workers: int, timeout_s: float = 10.0, group: str | None = None) -> TransferInit:
-    return TransferInit(backend=backend, world_size=workers + 1,  # type: ignore[arg-type]
-                        group_name=group or f"test-{uuid.uuid4().hex[:8]}", timeout_s=timeout_s)
+    return TransferInit(
+        backend=backend,
+        world_size=workers + 1,  # type: ignore[arg-type]
+        group_name=group or f"test-{uuid.uuid4().hex[:8]}",
+        timeout_s=timeout_s,
+    )
 
 
 def run_threads(init: TransferInit, trainer: Callable, worker: Callable, workers: int = 2) -> list:
@@ -72,7 +76,7 @@ def run_threads(init: TransferInit, trainer: Callable, worker: Callable, workers
         try:
             rx.join(bound, 1 + i)
             results[i] = worker(rx, 1 + i)
-        except BaseException as e:  # noqa: BLE001 - reported to the test
+        except BaseException as e:
             results[i] = e
         finally:
             rx.close()
@@ -96,6 +100,7 @@ def collect(params, buckets) -> Callable:
         got: dict[str, torch.Tensor] = {}
         recv_buckets(rx, params, buckets, lambda n, v: got.__setitem__(n, v.clone()))
         return got
+
     return worker
 
 
@@ -127,7 +132,11 @@ def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_dest
     named = model()
     p = prepare(named, BUCKET)
     lookup = dict(named)
-    solo = {ms[0].name for ms in p.per_bucket if len(ms) == 1 and lookup[ms[0].name].numel() * lookup[ms[0].name].element_size() * 2 >= BUCKET}
+    solo = {
+        ms[0].name
+        for ms in p.per_bucket
+        if len(ms) == 1 and lookup[ms[0].name].numel() * lookup[ms[0].name].element_size() * 2 >= BUCKET
+    }
     assert solo == {"big"}
     sent: list = []
 
@@ -139,8 +148,8 @@ def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_dest
             if view.data_ptr() != dst[name].data_ptr():
                 dst[name].copy_(view)
                 copied.add(name)
-        recv_buckets(rx, p.params, p.buckets, sink,
-                     landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst))
+
+        recv_buckets(rx, p.params, p.buckets, sink, landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst))
         return dst, copied
 
     for got in run_threads(new_init(backend, 2), lambda tx: send_stream(Recording(tx, sent), p, named), worker):
@@ -149,7 +158,9 @@ def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_dest
         assert all(torch.equal(dst[n], t) for n, t in named)
         assert "big" not in copied, "received straight into the destination tensor"
         assert copied == set(lookup) - {"big"}, "shared buckets go through scratch and are copied out"
-    assert ("send", lookup["big"].data_ptr(), lookup["big"].numel() * 4) in sent, "sent from the tensor itself, not a copy"
+    assert ("send", lookup["big"].data_ptr(), lookup["big"].numel() * 4) in sent, (
+        "sent from the tensor itself, not a copy"
+    )
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -166,6 +177,7 @@ def test_tensors_of_shared_buckets_are_copied_straight_into_their_destinations(b
             handed[name] = got is dst[name]
             if not handed[name]:
                 dst[name].copy_(got)
+
         recv_buckets(rx, p.params, p.buckets, sink, into=dst)
         return dst, handed
 
@@ -173,8 +185,9 @@ def test_tensors_of_shared_buckets_are_copied_straight_into_their_destinations(b
         assert not isinstance(got, BaseException), got
         dst, handed = got
         assert all(torch.equal(dst[n], t) for n, t in named)
-        assert {n for n, straight in handed.items() if not straight} == {"ids"}, \
+        assert {n for n, straight in handed.items() if not straight} == {"ids"}, (
             "every small contiguous tensor was copied into its destination, not handed over as a view"
+        )
 
 
 def test_over_shm_a_worker_reads_buckets_where_they_lie_and_copies_each_byte_once():
@@ -185,8 +198,9 @@ def test_over_shm_a_worker_reads_buckets_where_they_lie_and_copies_each_byte_onc
         scratch = [torch.zeros(p.max_bucket, dtype=torch.uint8) for _ in range(2)]
         dst = {n: torch.zeros_like(t) for n, t in named}
         dst["ids"] = torch.zeros(5, 7, dtype=torch.int32).t()
-        recv_buckets(rx, p.params, p.buckets, lambda n, v: None if v is dst[n] else dst[n].copy_(v),
-                     scratch=scratch, into=dst)
+        recv_buckets(
+            rx, p.params, p.buckets, lambda n, v: None if v is dst[n] else dst[n].copy_(v), scratch=scratch, into=dst
+        )
         return dst, scratch
 
     for got in run_threads(new_init("shm", 2), lambda tx: send_stream(tx, p, named), worker):
@@ -201,8 +215,12 @@ def test_the_stream_sends_its_first_bucket_before_it_packs_the_last():
     p = prepare(named, BUCKET)
     assert len(p.bucket_sizes) > 3
     log: list = []
-    run_threads(new_init("gloo", 1), lambda tx: send_stream(Recording(tx, log), p, ReadLog(named, log)),
-                collect(p.params, p.buckets), workers=1)
+    run_threads(
+        new_init("gloo", 1),
+        lambda tx: send_stream(Recording(tx, log), p, ReadLog(named, log)),
+        collect(p.params, p.buckets),
+        workers=1,
+    )
     first_send = next(i for i, e in enumerate(log) if e[0] == "send")
     last_name = p.per_bucket[-1][-1].name
     last_read = max(i for i, e in enumerate(log) if e == ("read", last_name))
@@ -250,8 +268,9 @@ def test_corrupted_bucket_raises_checksum_mismatch_and_group_stays_in_step(backe
         return first, got, sums
 
     sent: list = []
-    results = run_threads(new_init(backend, 2),
-                          lambda tx: (send_all(tx, packed.buffers), sent.append(send_stream(tx, p, named))), worker)
+    results = run_threads(
+        new_init(backend, 2), lambda tx: (send_all(tx, packed.buffers), sent.append(send_stream(tx, p, named))), worker
+    )
     for rank, res in enumerate(results):
         assert not isinstance(res, BaseException), res
         err, got, sums = res
@@ -314,7 +333,9 @@ def test_a_later_bucket_bigger_than_any_before_goes_through(backend):
         recv_buckets(rx, pb.params, pb.buckets, lambda n, v: got.__setitem__(n, v.clone()))
         return got
 
-    results = run_threads(new_init(backend, 2), lambda tx: (send_stream(tx, ps, small), send_stream(tx, pb, big)), worker)
+    results = run_threads(
+        new_init(backend, 2), lambda tx: (send_stream(tx, ps, small), send_stream(tx, pb, big)), worker
+    )
     for got in results:
         assert not isinstance(got, BaseException), got
         assert torch.equal(got["a"], small[0][1]) and torch.equal(got["b"], big[0][1])
@@ -359,8 +380,9 @@ sys.stdin.read()  # stay alive, sending nothing, until killed
 
 def spawn(code: str, arg: str, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(extra_env or {}))
-    return subprocess.Popen([sys.executable, "-c", code, arg], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, arg], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw
+    )
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -370,11 +392,17 @@ def test_workers_in_separate_processes_receive_identical_tensors(backend):
     tx = trainer_transfer(backend)
     bound = tx.bind(new_init(backend, 2, timeout_s=30.0))
     procs = [
-        spawn(WORKER, json.dumps({
-            "init": msgspec.json.encode(bound).decode(), "rank": r,
-            "params": msgspec.json.encode(p.params).decode(),
-            "buckets": msgspec.json.encode(p.buckets).decode(),
-        }))
+        spawn(
+            WORKER,
+            json.dumps(
+                {
+                    "init": msgspec.json.encode(bound).decode(),
+                    "rank": r,
+                    "params": msgspec.json.encode(p.params).decode(),
+                    "buckets": msgspec.json.encode(p.buckets).decode(),
+                }
+            ),
+        )
         for r in (1, 2)
     ]
     try:
@@ -418,18 +446,27 @@ def test_receiver_whose_sender_dies_gets_an_error_instead_of_hanging(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="nccl needs two CUDA devices (two ranks cannot share one GPU)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="nccl needs two CUDA devices (two ranks cannot share one GPU)",
+)
 def test_nccl_round_trip_between_two_processes_is_bit_identical():
     named = model(3)
     p = prepare(named, BUCKET)
     tx = trainer_transfer("nccl")
     bound = tx.bind(new_init("nccl", 1, timeout_s=60.0))
-    proc = spawn(WORKER, json.dumps({
-        "init": msgspec.json.encode(bound).decode(), "rank": 1,
-        "params": msgspec.json.encode(p.params).decode(),
-        "buckets": msgspec.json.encode(p.buckets).decode(),
-    }), extra_env={"CUDA_VISIBLE_DEVICES": "1"})
+    proc = spawn(
+        WORKER,
+        json.dumps(
+            {
+                "init": msgspec.json.encode(bound).decode(),
+                "rank": 1,
+                "params": msgspec.json.encode(p.params).decode(),
+                "buckets": msgspec.json.encode(p.buckets).decode(),
+            }
+        ),
+        extra_env={"CUDA_VISIBLE_DEVICES": "1"},
+    )
     try:
         torch.cuda.set_device(0)
         tx.open(bound)

@@ -15,12 +15,14 @@ WORKERS = ("v0", "v1", "v2")
 
 
 @pytest.fixture(scope="module")
-async def fleet(nats_server, prefix):  # noqa: ANN001, ANN201
-    async with fleet_running(nats_server.url, prefix + "verify", WORKERS, weight_transfer_backend="gloo", model=MODEL) as f:
+async def fleet(nats_server, prefix):
+    async with fleet_running(
+        nats_server.url, prefix + "verify", WORKERS, weight_transfer_backend="gloo", model=MODEL
+    ) as f:
         yield f
 
 
-async def test_every_replica_serves_the_trainers_bits_after_a_push(fleet):  # noqa: ANN001
+async def test_every_replica_serves_the_trainers_bits_after_a_push(fleet):
     f, rl = fleet
     named = trained(3)
     await rl.push_weights(named, new_version("verify"))
@@ -35,7 +37,7 @@ async def test_every_replica_serves_the_trainers_bits_after_a_push(fleet):  # no
     assert against.ok and against.reference == "trainer"
 
 
-async def test_a_corrupted_worker_is_named_with_the_tensor_that_differs(fleet):  # noqa: ANN001
+async def test_a_corrupted_worker_is_named_with_the_tensor_that_differs(fleet):
     f, rl = fleet
     named = trained(4)
     await rl.push_weights(named, new_version("verify"))
@@ -54,14 +56,14 @@ async def test_a_corrupted_worker_is_named_with_the_tensor_that_differs(fleet): 
     assert (await rl.verify_weights(named)).ok
 
 
-async def test_the_trainers_other_tensors_name_every_worker(fleet):  # noqa: ANN001
+async def test_the_trainers_other_tensors_name_every_worker(fleet):
     f, rl = fleet
     await rl.push_weights(trained(5), new_version("verify"))
     check = await rl.verify_weights(trained(6))
     assert not check.ok and check.reference == "trainer" and check.mismatched == list(WORKERS)
 
 
-async def test_verify_of_a_draft_the_fleet_lacks_is_refused(fleet):  # noqa: ANN001
+async def test_verify_of_a_draft_the_fleet_lacks_is_refused(fleet):
     _, rl = fleet
     with pytest.raises(rlbus.RLBusError) as e:
         await rl.verify_weights(draft=True)

@@ -5,10 +5,10 @@ is a subtraction. Version strings stay free-form unless unique_versions is on.""
 from __future__ import annotations
 
 import pytest
-
-import rlbus
 from rlbus.schemas import Subjects
 from rlbus.services.controller.service import ControllerOptions
+
+import rlbus
 from tests.fleet import fleet_running
 from tests.weights_helpers import MODEL, VersionEvents, trained
 
@@ -21,7 +21,7 @@ async def fleet(nats_server, prefix):
         yield running
 
 
-async def _watched(rl, n: int) -> list:  # noqa: ANN001
+async def _watched(rl, n: int) -> list:
     agen = rl.watch_versions()
     try:
         return [await anext(agen) for _ in range(n)]
@@ -37,7 +37,11 @@ async def test_versions_out_of_order_and_repeated_still_commit_in_sequence(fleet
         for i, v in enumerate(["step-5", "step-3", "step-5"]):
             await rl.push_weights(trained(10 + i), v)
         await events.wait_for(3)
-    assert [(e.version, e.seq) for e in events.seen] == [("step-5", start + 1), ("step-3", start + 2), ("step-5", start + 3)]
+    assert [(e.version, e.seq) for e in events.seen] == [
+        ("step-5", start + 1),
+        ("step-3", start + 2),
+        ("step-5", start + 3),
+    ]
     info = await rl.get_weight_version_info()
     assert (info.version, info.seq) == ("step-5", start + 3)
     assert (await rl.server_info()).weight_seq == start + 3
@@ -58,19 +62,30 @@ async def test_update_weight_version_takes_the_next_sequence(fleet):
 
 
 async def test_a_draft_commit_orders_the_draft_without_moving_the_main_sequence(nats_server, prefix):
-    async with fleet_running(nats_server.url, prefix + "-draft", WORKERS, weight_transfer_backend="gloo", model=MODEL,
-                             engine_kw={"draft_config": MODEL}) as (f, rl):
+    async with fleet_running(
+        nats_server.url,
+        prefix + "-draft",
+        WORKERS,
+        weight_transfer_backend="gloo",
+        model=MODEL,
+        engine_kw={"draft_config": MODEL},
+    ) as (f, rl):
         main = (await rl.get_weight_version_info()).seq
         await rl.push_weights(trained(20), "draft-1", draft=True)
         info = await rl.get_weight_version_info()
         assert (info.seq, info.draft_version, info.draft_seq) == (main, "draft-1", 1)
 
 
-async def test_with_unique_versions_a_used_version_string_is_refused_and_the_session_stays_open(fleet, nats_server, prefix):
+async def test_with_unique_versions_a_used_version_string_is_refused_and_the_session_stays_open(
+    fleet, nats_server, prefix
+):
     f, rl = fleet
     await f.stop(f.controller)
-    await f.start_controller(ControllerOptions(subjects=Subjects(prefix=prefix), command_timeout_s=10.0,
-                                               liveness_timeout_s=1.5, unique_versions=True))
+    await f.start_controller(
+        ControllerOptions(
+            subjects=Subjects(prefix=prefix), command_timeout_s=10.0, liveness_timeout_s=1.5, unique_versions=True
+        )
+    )
     await f.wait_for_workers(WORKERS)
     await rl.push_weights(trained(30), "unique-1")
     seq = (await rl.get_weight_version_info()).seq

@@ -21,15 +21,15 @@ pytest.importorskip("vllm", reason="needs the vllm extra: pip install -e '.[vllm
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-
-from rlbus.runners.local import LocalFleet  # noqa: E402
 from rlbus.schemas import GenerateRequest, Subjects  # noqa: E402
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument, RLBusError, Unavailable  # noqa: E402
-from rlbus.sdk.client import RLClient  # noqa: E402
 from rlbus.services.controller.service import ControllerOptions  # noqa: E402
 from rlbus.services.worker.service import WorkerOptions  # noqa: E402
 from rlbus.services.worker.vllm.checkpoint import write_toy_model  # noqa: E402
 from rlbus.services.worker.vllm.engine import VllmEngine, VllmOptions  # noqa: E402
+
+from rlbus.runners.local import LocalFleet  # noqa: E402
+from rlbus.sdk.client import RLClient  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)  # generous: vLLM on two shared cores
@@ -42,7 +42,7 @@ LONG_TOKENS = 1500
 MAX_POSITIONS = 2048
 
 
-def load_hf(folder) -> torch.nn.Module:  # noqa: ANN001
+def load_hf(folder) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
@@ -50,7 +50,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int = GREEDY_TOKENS)
     """transformers' own greedy decode: what vLLM must reproduce token for token."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -70,17 +70,24 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix, folders):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    opts = VllmOptions(model=str(folders["base"]), draft_model=str(folders["base"]), num_speculative_tokens=3,
-                       engine_args={"max_num_seqs": 8})
+    opts = VllmOptions(
+        model=str(folders["base"]),
+        draft_model=str(folders["base"]),
+        num_speculative_tokens=3,
+        engine_args={"max_num_seqs": 8},
+    )
     engines = await asyncio.gather(*(VllmEngine.start(opts) for _ in WORKERS))
     subjects = Subjects(prefix=prefix)
     local = LocalFleet(nats_server.url)
     rl = None
     try:
-        await local.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=240.0, liveness_timeout_s=30.0))
+        await local.start_controller(
+            ControllerOptions(subjects=subjects, command_timeout_s=240.0, liveness_timeout_s=30.0)
+        )
         for wid, engine in zip(WORKERS, engines):
-            await local.start_worker(engine, WorkerOptions(worker_id=wid, subjects=subjects, weight_transfer_backend="gloo",
-                                                           heartbeat_s=1.0))
+            await local.start_worker(
+                engine, WorkerOptions(worker_id=wid, subjects=subjects, weight_transfer_backend="gloo", heartbeat_s=1.0)
+            )
         await local.wait_for_workers(WORKERS)
         rl = await RLClient.connect(nats_server.url, prefix=prefix, timeout=300.0)
         yield local, rl, dict(zip(WORKERS, engines))
@@ -101,7 +108,7 @@ async def hf_greedy_async(model: torch.nn.Module, prompt: list[int], n: int = GR
     return await asyncio.to_thread(hf_greedy, model, prompt, n)
 
 
-async def greedy_on(engine: VllmEngine, prompt: list[int], n: int = GREEDY_TOKENS):  # noqa: ANN201
+async def greedy_on(engine: VllmEngine, prompt: list[int], n: int = GREEDY_TOKENS):
     return await engine.generate(GenerateRequest(prompt_tokens=prompt, max_tokens=n))
 
 
@@ -232,16 +239,16 @@ async def test_the_adapter_refuses_what_updates_did_not_check(fleet, models):
 # ---- pause modes with requests in flight -------------------------------------------------
 
 
-def in_flight(engines) -> int:  # noqa: ANN001
+def in_flight(engines) -> int:
     return sum(e.status().in_flight for e in engines.values())
 
 
-def decoding(engines) -> int:  # noqa: ANN001
+def decoding(engines) -> int:
     """Requests vLLM has admitted and is decoding (a request still on its way in is not)."""
     return sum(e.decoding() for e in engines.values())
 
 
-async def all_decoding(engines, tasks: list[asyncio.Task]) -> None:  # noqa: ANN001
+async def all_decoding(engines, tasks: list[asyncio.Task]) -> None:
     def check() -> bool:
         for t in tasks:
             if t.done():  # finished or refused before the pause: the test cannot hold
@@ -251,7 +258,7 @@ async def all_decoding(engines, tasks: list[asyncio.Task]) -> None:  # noqa: ANN
     await eventually(check, timeout=120, what="every request decoding in vLLM")
 
 
-def long_requests(rl, n: int = 4) -> list[asyncio.Task]:  # noqa: ANN001
+def long_requests(rl, n: int = 4) -> list[asyncio.Task]:
     return [asyncio.create_task(rl.generate(PROMPTS[i % len(PROMPTS)], LONG_TOKENS, timeout=300.0)) for i in range(n)]
 
 
@@ -279,7 +286,9 @@ async def test_pause_wait_returns_after_in_flight_requests_finish_and_holds_new_
         replies = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         assert all(r.finish_reason == "length" and len(r.tokens) == LONG_TOKENS for r in replies)
         late = asyncio.create_task(rl.generate(PROMPTS[0], 8, timeout=120.0))
-        await eventually(lambda: sum(e.status().waiting for e in engines.values()) == 1, what="a request held by the pause")
+        await eventually(
+            lambda: sum(e.status().waiting for e in engines.values()) == 1, what="a request held by the pause"
+        )
         assert not late.done()
     finally:
         await rl.resume()
@@ -308,9 +317,11 @@ async def test_a_request_vllm_cannot_serve_is_refused_before_it_reaches_vllm(fle
     INVALID_ARGUMENT from rlbus's own check (vLLM would fail the request, or its engine)."""
     _, _, engines = fleet
     e = engines["v0"]
-    for bad in (GenerateRequest(prompt_tokens=[1, e.vocab_size], max_tokens=4),
-                GenerateRequest(prompt_tokens=[1, 2], max_tokens=e.max_model_len),
-                GenerateRequest(prompt_tokens=[], max_tokens=4)):
+    for bad in (
+        GenerateRequest(prompt_tokens=[1, e.vocab_size], max_tokens=4),
+        GenerateRequest(prompt_tokens=[1, 2], max_tokens=e.max_model_len),
+        GenerateRequest(prompt_tokens=[], max_tokens=4),
+    ):
         with pytest.raises(InvalidArgument):
             await e.generate(bad)
 

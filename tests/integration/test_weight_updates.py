@@ -14,13 +14,13 @@ import sys
 import anyio
 import pytest
 import torch
-
-import rlbus
 from rlbus.schemas import Subjects
 from rlbus.services.controller.service import ControllerOptions
-from rlbus.models.tinylm import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
+
+import rlbus
+from rlbus.models.tinylm import ModelConfig
 from tests.fleet import fleet_running, nccl_worker, start_fleet
 from tests.waiting import eventually
 from tests.weights_helpers import (
@@ -45,19 +45,20 @@ from tests.weights_helpers import (
     trained,
 )
 
-
 BACKENDS = ["gloo", "shm"]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def backend(request) -> str:  # noqa: ANN001
+def backend(request) -> str:
     """The transport of the module's fleet: one fleet per backend, each started once."""
     return request.param
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix, backend):
-    async with fleet_running(nats_server.url, prefix + backend, weight_transfer_backend=backend, model=MODEL) as running:
+    async with fleet_running(
+        nats_server.url, prefix + backend, weight_transfer_backend=backend, model=MODEL
+    ) as running:
         yield running
 
 
@@ -66,11 +67,11 @@ over_one_backend = pytest.mark.parametrize("backend", ["gloo"], indirect=True)
 only_over_shm = pytest.mark.parametrize("backend", ["shm"], indirect=True)
 
 
-async def _own_fleet(nats_server, prefix: str, **kw):  # noqa: ANN001, ANN202
+async def _own_fleet(nats_server, prefix: str, **kw):
     return await start_fleet(nats_server.url, prefix, model=MODEL, **kw)
 
 
-async def _close(f, rl) -> None:  # noqa: ANN001
+async def _close(f, rl) -> None:
     await rl.close()
     await f.close()
 
@@ -150,7 +151,9 @@ async def test_the_trainer_packs_straight_into_shared_memory_so_workers_copy_onc
     f, rl = fleet
     await check_push_weights_is_bit_identical(f, rl, seed=81)
     assert rl.push.transfer is not None and len(rl.push.scratch) == 2
-    assert all(rl.push.transfer.holds(b) for b in rl.push.scratch), "the packing buffers are not the transport's shared memory"
+    assert all(rl.push.transfer.holds(b) for b in rl.push.scratch), (
+        "the packing buffers are not the transport's shared memory"
+    )
 
 
 @over_one_backend
@@ -302,7 +305,9 @@ async def test_setting_the_version_while_a_session_is_open_is_refused(fleet):
 
 
 @over_one_backend
-@pytest.mark.parametrize("bad", ["", "   ", "x" * 129, "step\n1", "tab\there"], ids=["empty", "blank", "too-long", "newline", "tab"])
+@pytest.mark.parametrize(
+    "bad", ["", "   ", "x" * 129, "step\n1", "tab\there"], ids=["empty", "blank", "too-long", "newline", "tab"]
+)
 async def test_invalid_version_strings_are_refused(fleet, bad):
     _, rl = fleet
     version = (await rl.server_info()).weight_version
@@ -358,12 +363,14 @@ async def test_init_weight_transfer_on_workers_with_different_backends_is_refuse
 
 def _threads_forming_a_group() -> list[int]:
     """Ids of threads blocked in a transfer group's rendezvous (TorchDist _form)."""
-    return [tid for tid, frame in sys._current_frames().items()
-            if any(f.f_code.co_name == "_form" and f.f_code.co_filename.endswith("torchdist.py")
-                   for f in _stack(frame))]
+    return [
+        tid
+        for tid, frame in sys._current_frames().items()
+        if any(f.f_code.co_name == "_form" and f.f_code.co_filename.endswith("torchdist.py") for f in _stack(frame))
+    ]
 
 
-def _stack(frame):  # noqa: ANN001, ANN202
+def _stack(frame):
     while frame is not None:
         yield frame
         frame = frame.f_back
@@ -386,7 +393,9 @@ async def test_a_nack_from_one_worker_names_only_that_worker(nats_server, prefix
     try:
         await f.start_worker(
             ReferenceEngine(ModelConfig(vocab_size=64, d_model=48, n_layers=2, n_heads=4, max_seq_len=128)),
-            WorkerOptions(worker_id="w1", subjects=Subjects(prefix=p), heartbeat_s=0.25, weight_transfer_backend="gloo"),
+            WorkerOptions(
+                worker_id="w1", subjects=Subjects(prefix=p), heartbeat_s=0.25, weight_transfer_backend="gloo"
+            ),
         )
         await f.wait_for_workers(["w0", "w1"])
         w0_before = snapshot(f, "w0")
@@ -486,7 +495,9 @@ async def test_in_place_corrupted_bucket_aborts_and_leaves_workers_dirty(nats_se
 
 
 async def test_in_place_nothing_uncommitted_is_served_while_a_session_is_open(nats_server, prefix):
-    f, rl = await _own_fleet(nats_server, prefix + "inplaceopen", weight_transfer_backend="gloo", update_mode="in_place")
+    f, rl = await _own_fleet(
+        nats_server, prefix + "inplaceopen", weight_transfer_backend="gloo", update_mode="in_place"
+    )
     try:
         old = await rl.generate([1, 2, 3], 4)
         await rl.init_weight_transfer(timeout_s=10)
@@ -524,7 +535,9 @@ async def test_committed_version_survives_a_controller_restart(nats_server, pref
 
         assert f.controller is not None
         await f.stop(f.controller)
-        await f.start_controller(ControllerOptions(subjects=Subjects(prefix=p), command_timeout_s=10, liveness_timeout_s=1.5))
+        await f.start_controller(
+            ControllerOptions(subjects=Subjects(prefix=p), command_timeout_s=10, liveness_timeout_s=1.5)
+        )
         await f.wait_for_workers(["w0", "w1"])
 
         after = await rl.server_info()
@@ -542,6 +555,7 @@ async def test_committed_version_survives_a_controller_restart(nats_server, pref
 
 
 # ---- nccl (GPU machines only) --------------------------------------------------------------
+
 
 @pytest.mark.gpu
 async def test_push_weights_over_nccl_reaches_a_worker_process(nats_server, prefix):

@@ -13,21 +13,34 @@ import anyio
 import pytest
 
 import rlbus
-from rlbus.sdk.client import RLClient
 from rlbus.runners.launcher import ProcessFleet
+from rlbus.sdk.client import RLClient
 from tests.waiting import eventually
 from tests.weights_helpers import MAX_TOKENS, MODEL, PROMPTS, first_watched_version, greedy, new_version, trained
 
 WORKERS = ["worker-0", "worker-1"]
-MODEL_FLAGS = ["--vocab-size", str(MODEL.vocab_size), "--d-model", str(MODEL.d_model), "--n-layers", str(MODEL.n_layers),
-               "--n-heads", str(MODEL.n_heads), "--max-seq-len", str(MODEL.max_seq_len), "--seed", str(MODEL.seed)]
+MODEL_FLAGS = [
+    "--vocab-size",
+    str(MODEL.vocab_size),
+    "--d-model",
+    str(MODEL.d_model),
+    "--n-layers",
+    str(MODEL.n_layers),
+    "--n-heads",
+    str(MODEL.n_heads),
+    "--max-seq-len",
+    str(MODEL.max_seq_len),
+    "--seed",
+    str(MODEL.seed),
+]
 FINISH_BOUND_S = 15.0
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
     procs = ProcessFleet(
-        nats_server.url, 2,
+        nats_server.url,
+        2,
         ["--weight-transfer-backend", "gloo", "--prefix", prefix, "--heartbeat", "0.25", *MODEL_FLAGS],
         ["--prefix", prefix, "--liveness-timeout", "1.5", "--command-timeout", "10"],
     )
@@ -49,7 +62,7 @@ async def fleet(nats_server, prefix):
         procs.stop()
 
 
-async def generations_by_worker(rl: RLClient, want: list[str], prompts=PROMPTS) -> dict[str, list]:  # noqa: ANN001
+async def generations_by_worker(rl: RLClient, want: list[str], prompts=PROMPTS) -> dict[str, list]:
     """Generate every prompt repeatedly until each worker in `want` answered all of them
     (the queue group picks the worker)."""
     seen: dict[str, dict[int, object]] = {}
@@ -109,6 +122,7 @@ async def test_a_worker_killed_before_finish_fails_the_finish_and_the_fleet_reco
     info = await rl.server_info()
     assert info.weight_version == old_version and info.session_id is None
     assert await first_watched_version(rl) == old_version
+
     async def only_worker_0() -> bool:
         return [w.worker_id for w in (await rl.server_info()).workers] == ["worker-0"]
 

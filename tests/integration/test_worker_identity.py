@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
-
-import rlbus
 from rlbus.schemas import Subjects
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions, WorkerService
+
+import rlbus
 from rlbus.bus.connection import connect, drain
 from tests.fleet import fleet_running
 from tests.waiting import eventually
@@ -18,7 +18,9 @@ from tests.weights_helpers import MODEL, new_version, trained
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix):
-    async with fleet_running(nats_server.url, prefix, ("w0", "w1"), weight_transfer_backend="gloo", model=MODEL) as running:
+    async with fleet_running(
+        nats_server.url, prefix, ("w0", "w1"), weight_transfer_backend="gloo", model=MODEL
+    ) as running:
         yield running
 
 
@@ -26,8 +28,11 @@ async def test_a_second_worker_with_a_live_id_is_refused_naming_the_id(fleet, na
     f, rl = fleet
     nc = await connect(nats_server.url, name="impostor-w0")
     try:
-        impostor = WorkerService(nc, ReferenceEngine(MODEL),
-                                 WorkerOptions(worker_id="w0", subjects=Subjects(prefix=prefix), weight_transfer_backend="gloo"))
+        impostor = WorkerService(
+            nc,
+            ReferenceEngine(MODEL),
+            WorkerOptions(worker_id="w0", subjects=Subjects(prefix=prefix), weight_transfer_backend="gloo"),
+        )
         with pytest.raises(rlbus.FailedPrecondition, match="'w0' is already in use"), anyio.fail_after(10):
             await impostor.run()
     finally:
@@ -42,10 +47,13 @@ async def test_a_second_worker_with_a_live_id_is_refused_naming_the_id(fleet, na
 async def test_a_worker_restarted_under_a_dead_workers_id_replaces_it(fleet, nats_server, prefix):
     f, rl = fleet
     await f.kill(f.workers["w1"])  # its connection closes: no goodbye, no responders
-    await f.start_worker(ReferenceEngine(MODEL), WorkerOptions(worker_id="w1", subjects=Subjects(prefix=prefix),
-                                                               weight_transfer_backend="gloo", heartbeat_s=0.25))
-    await eventually(lambda: "w1" in f.controller.registry,
-                     what="the restarted w1 registered")
+    await f.start_worker(
+        ReferenceEngine(MODEL),
+        WorkerOptions(
+            worker_id="w1", subjects=Subjects(prefix=prefix), weight_transfer_backend="gloo", heartbeat_s=0.25
+        ),
+    )
+    await eventually(lambda: "w1" in f.controller.registry, what="the restarted w1 registered")
     version = new_version("after-restart")
     await rl.push_weights(trained(3), version)
     assert await rl.get_weight_version() == version

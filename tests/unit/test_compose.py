@@ -40,7 +40,9 @@ def test_compose_has_a_three_node_jetstream_cluster():
         assert any(v.endswith(":/data") for v in services[node]["volumes"]), f"{node}: its store is a volume of its own"
         assert _flag(argv, "--cluster_name") == "rlbus"
         assert _flag(argv, "--cluster").endswith(":6222")
-        assert sorted(_flag(argv, "--routes").split(",")) == [f"nats://{n}:6222" for n in NODES], f"{node}: routes to every node"
+        assert sorted(_flag(argv, "--routes").split(",")) == [f"nats://{n}:6222" for n in NODES], (
+            f"{node}: routes to every node"
+        )
         names.add(_flag(argv, "--name"))
     assert names == set(NODES), "every node has a name of its own"
 

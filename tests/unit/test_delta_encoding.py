@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-
 from rlbus.schemas import BucketMeta, ParamMeta
+
 from rlbus.transfer import delta as D
 from rlbus.transfer.base import PlanError
 from rlbus.transfer.buckets import unpack, validate
@@ -33,7 +33,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(D.bits(a.contiguous()), D.bits(b.contiguous()))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64]
+)
 @pytest.mark.parametrize("numel", [1, 7, 1000, 4099])
 def test_a_sparse_change_round_trips_bit_for_bit(dtype, numel):
     g = torch.Generator().manual_seed(numel)
@@ -93,7 +95,14 @@ def test_the_wire_metadata_describes_the_blob_and_validates():
     d = D.encode(new, base)
     assert d is not None
     m = _planned(d, offset=64)
-    assert (m.dtype, m.shape, m.encoding, m.changed, m.index_nbytes, m.values_offset) == ("bfloat16", [16, 64], "delta", 1, 4, 8)
+    assert (m.dtype, m.shape, m.encoding, m.changed, m.index_nbytes, m.values_offset) == (
+        "bfloat16",
+        [16, 64],
+        "delta",
+        1,
+        4,
+        8,
+    )
     validate([m], [BucketMeta(index=0, nbytes=64 + m.nbytes)])
     buf = torch.zeros(64 + m.nbytes, dtype=torch.uint8)
     buf[64:].copy_(d.blob)
@@ -108,7 +117,13 @@ def test_inconsistent_delta_metadata_is_refused_before_bytes_move():
     d = D.encode(new, base)
     assert d is not None
     m = _planned(d)
-    for bad in (dict(changed=0), dict(changed=101), dict(index_nbytes=8), dict(values_offset=4), dict(nbytes=m.nbytes + 2)):
+    for bad in (
+        dict(changed=0),
+        dict(changed=101),
+        dict(index_nbytes=8),
+        dict(values_offset=4),
+        dict(nbytes=m.nbytes + 2),
+    ):
         with pytest.raises(PlanError):
             validate([msgspec.structs.replace(m, **bad)], [BucketMeta(index=0, nbytes=256)])
 

@@ -11,7 +11,10 @@ from rlbus.transfer import delta as D
 
 def _tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"a": torch.randn(64, 64, generator=g).to(torch.bfloat16), "b": torch.randn(256, generator=g).to(torch.bfloat16)}
+    return {
+        "a": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "b": torch.randn(256, generator=g).to(torch.bfloat16),
+    }
 
 
 def test_a_committed_delta_session_brings_the_snapshot_to_the_new_bits():

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rlbus.runners.demo.task import Task, split_by_staleness, version_step
 from rlbus.schemas import GenerateReply
+
+from rlbus.runners.demo.task import Task, split_by_staleness, version_step
 
 
 def _reply(version: str) -> GenerateReply:

@@ -6,10 +6,10 @@ a cycle."""
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,8 +57,16 @@ def _in(name: str, *packages: str) -> bool:
 
 
 def test_the_module_map_finds_every_wing():
-    for package in ("rlbus.schemas", "rlbus.bus", "rlbus.sdk", "rlbus.transfer", "rlbus.models",
-                    "rlbus.services.controller", "rlbus.services.worker", "rlbus.runners"):
+    for package in (
+        "rlbus.schemas",
+        "rlbus.bus",
+        "rlbus.sdk",
+        "rlbus.transfer",
+        "rlbus.models",
+        "rlbus.services.controller",
+        "rlbus.services.worker",
+        "rlbus.runners",
+    ):
         assert any(_in(m, package) for m in MODULES), package
     assert "rlbus.schemas" in GRAPH["rlbus.services.controller.fleet"]
     assert "rlbus.sdk.push" in GRAPH["rlbus.sdk.client"]
@@ -69,7 +77,10 @@ def test_the_schemas_are_a_leaf(module):
     assert all(_in(m, "rlbus.schemas") for m in GRAPH[module]), GRAPH[module]
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if _in(m, "rlbus.sdk", "rlbus.bus", "rlbus.transfer", "rlbus.models") or m == "rlbus"))
+@pytest.mark.parametrize(
+    "module",
+    sorted(m for m in MODULES if _in(m, "rlbus.sdk", "rlbus.bus", "rlbus.transfer", "rlbus.models") or m == "rlbus"),
+)
 def test_the_sdk_wing_imports_neither_services_nor_runners(module):
     bad = {m for m in GRAPH[module] if _in(m, "rlbus.services", "rlbus.runners")}
     assert not bad, f"{module} imports {bad}"
@@ -82,7 +93,9 @@ def test_the_services_import_neither_the_sdk_nor_the_runners(module):
 
 
 def test_only_the_runners_import_the_services():
-    importers = {m for m, deps in GRAPH.items() if not _in(m, "rlbus.services") and any(_in(d, "rlbus.services") for d in deps)}
+    importers = {
+        m for m, deps in GRAPH.items() if not _in(m, "rlbus.services") and any(_in(d, "rlbus.services") for d in deps)
+    }
     assert importers and all(_in(m, "rlbus.runners") for m in importers), importers
 
 
@@ -95,7 +108,7 @@ def test_no_project_modules_import_each_other_in_a_cycle():
         path.append(m)
         for d in sorted(GRAPH[m]):
             if state.get(d) == 1:
-                pytest.fail("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(d) :] + [d]))
             if d not in state:
                 visit(d)
         path.pop()

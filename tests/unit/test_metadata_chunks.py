@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+from rlbus.schemas import UpdateWeights, encode
 
 from rlbus.sdk.push import meta_chunks
+from rlbus.transfer.stream import prepare
 
 MAX_META_BYTES = 512 * 1024
-from rlbus.schemas import UpdateWeights, encode
-from rlbus.transfer.stream import prepare
 
 
 def test_a_model_with_many_tensors_is_sent_in_several_metadata_messages_under_the_limit():

@@ -7,8 +7,8 @@ import typing
 from pathlib import Path
 
 import msgspec
-
 import rlbus.schemas as s
+
 from rlbus.runners.protocol import example, json_schemas, render
 
 ROOT = Path(__file__).resolve().parents[2]

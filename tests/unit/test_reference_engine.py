@@ -7,12 +7,11 @@ import math
 
 import pytest
 import torch
-
+from rlbus.schemas import GenerateReply, GenerateRequest
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
-from rlbus.schemas import GenerateRequest
-from rlbus.schemas import GenerateReply
-from rlbus.models.tinylm import ModelConfig
 from rlbus.services.worker.reference_engine import ReferenceEngine
+
+from rlbus.models.tinylm import ModelConfig
 from tests.waiting import eventually
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, seed=0)
@@ -24,7 +23,7 @@ def request(prompt: list[int] = PROMPTS[0], max_tokens: int = 8, **kw: object) -
     return GenerateRequest(prompt_tokens=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
 
 
-def start(engine: ReferenceEngine, prompts=PROMPTS, max_tokens: int = LONG) -> list[asyncio.Task[GenerateReply]]:  # noqa: ANN001
+def start(engine: ReferenceEngine, prompts=PROMPTS, max_tokens: int = LONG) -> list[asyncio.Task[GenerateReply]]:
     return [asyncio.create_task(engine.generate(request(p, max_tokens))) for p in prompts]
 
 
@@ -82,7 +81,15 @@ async def test_concurrent_requests_give_the_same_tokens_as_sequential_ones(engin
         request(temperature=-0.5),
         request(temperature=math.nan),
     ],
-    ids=["empty-prompt", "token-past-vocab", "negative-token", "zero-max-tokens", "past-max-seq-len", "negative-temperature", "nan-temperature"],
+    ids=[
+        "empty-prompt",
+        "token-past-vocab",
+        "negative-token",
+        "zero-max-tokens",
+        "past-max-seq-len",
+        "negative-temperature",
+        "nan-temperature",
+    ],
 )
 async def test_an_invalid_request_is_refused_with_invalid_argument(engine, bad):
     with pytest.raises(InvalidArgument):

@@ -7,8 +7,14 @@ from rlbus.services.controller.registry import Registry
 
 
 def _caps(**kw) -> Capabilities:
-    base = dict(sleep_mode_enabled=True, weight_transfer_backend="gloo", has_draft_model=True,
-                supports_draft_weight_updates=True, model_name="m", num_params=10)
+    base = dict(
+        sleep_mode_enabled=True,
+        weight_transfer_backend="gloo",
+        has_draft_model=True,
+        supports_draft_weight_updates=True,
+        model_name="m",
+        num_params=10,
+    )
     base.update(kw)
     return Capabilities(**base)
 

@@ -4,7 +4,6 @@ started but never answered (its process died) is refused on retry, not run twice
 from __future__ import annotations
 
 import anyio
-
 from rlbus.schemas import Nack, reply_decoder
 from rlbus.services.endpoints import ReplyCache, StoredReply
 
@@ -51,7 +50,9 @@ async def test_a_command_that_started_and_never_answered_is_refused_on_retry_not
         ran.append(True)
         return b"ran"
 
-    reply = reply_decoder.decode(await ReplyCache(durable=store).run("c1", "update_weight_version:x", work, durable=True))
+    reply = reply_decoder.decode(
+        await ReplyCache(durable=store).run("c1", "update_weight_version:x", work, durable=True)
+    )
     assert not ran
     assert isinstance(reply, Nack) and reply.code == "ABORTED" and "not run twice" in reply.message
 
@@ -64,5 +65,3 @@ async def test_a_read_is_neither_marked_nor_kept():
 
 async def _answer(data: bytes) -> bytes:
     return data
-
-

@@ -4,7 +4,6 @@ import typing
 
 import msgspec
 import pytest
-
 import rlbus.schemas as s
 from rlbus.schemas import FailedPrecondition, Unavailable, error_for, from_nack
 
@@ -41,8 +40,9 @@ def _worker_commands() -> list[s.WorkerCommand]:
         s.SleepWorker(level=2, tags=["weights"], **stamp),
         s.WakeUpWorker(tags=["kv_cache"], **stamp),
         s.StatusWorker(**stamp),
-        s.InitWeightTransferWorker(init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3), rank=1,
-                                   **stamp),
+        s.InitWeightTransferWorker(
+            init_info=s.TransferInit(backend="gloo", master_port=1234, world_size=3), rank=1, **stamp
+        ),
         s.StartWeightUpdateWorker(target="draft", session_id="abc", **stamp),
         s.UpdateWeightsWorker(
             session_id="abc",
@@ -100,7 +100,11 @@ def test_replies_and_events_round_trip():
     state = s.WorkerState(worker_id="w0", paused=True, pause_mode="keep", sleeping_tags=["kv_cache"])
     caps = s.Capabilities(sleep_mode_enabled=True, weight_transfer_backend="shm")
     for reply in [
-        s.Nack(code="UNAVAILABLE", message="gone", failures=[s.WorkerFailure(worker_id="w1", code="UNAVAILABLE", message="x")]),
+        s.Nack(
+            code="UNAVAILABLE",
+            message="gone",
+            failures=[s.WorkerFailure(worker_id="w1", code="UNAVAILABLE", message="x")],
+        ),
         s.WorkerAck(state=state),
         s.FleetAck(workers=[state], session_id="s", weight_version="v"),
         s.ServerInfo(workers=[s.WorkerInfo(worker_id="w0", capabilities=caps, state=state, rank=0)], capabilities=caps),
@@ -150,5 +154,9 @@ def test_schemas_import_neither_torch_nor_nats():
 
 def test_each_code_maps_to_its_own_exception():
     assert isinstance(error_for("FAILED_PRECONDITION", "m"), FailedPrecondition)
-    e = from_nack(s.Nack(code="UNAVAILABLE", message="m", failures=[s.WorkerFailure(worker_id="w3", code="UNAVAILABLE", message="x")]))
+    e = from_nack(
+        s.Nack(
+            code="UNAVAILABLE", message="m", failures=[s.WorkerFailure(worker_id="w3", code="UNAVAILABLE", message="x")]
+        )
+    )
     assert isinstance(e, Unavailable) and e.workers == ["w3"] and e.code == "UNAVAILABLE"

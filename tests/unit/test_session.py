@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rlbus.services.controller.session import (
     Abort,
     CommitDone,
@@ -14,10 +13,10 @@ from rlbus.services.controller.session import (
     Finish,
     Idle,
     Open,
-    VersionSet,
     SleepWeights,
     Start,
     Update,
+    VersionSet,
     WorkerLost,
     step,
 )
@@ -63,7 +62,9 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("state,event,expected,code,abort", TABLE, ids=[f"{type(r[0]).__name__}+{type(r[1]).__name__}" for r in TABLE])
+@pytest.mark.parametrize(
+    "state,event,expected,code,abort", TABLE, ids=[f"{type(r[0]).__name__}+{type(r[1]).__name__}" for r in TABLE]
+)
 def test_session_step_follows_the_table(state, event, expected, code, abort):
     out = step(state, event)
     if code is None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from rlbus.schemas import BucketMeta, ParamMeta
+
 from rlbus.transfer import (
     ChecksumMismatch,
     PlanError,
@@ -23,8 +23,18 @@ from rlbus.transfer import (
 from rlbus.transfer.buckets import ALIGN, by_bucket, copy_out
 from rlbus.transfer.stream import pack_all, prepare, verify
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -80,8 +90,13 @@ def test_plan_keeps_input_order_and_aligns_every_offset():
 
 
 def test_a_tensor_of_half_a_bucket_or_more_travels_alone_and_small_ones_share_around_it():
-    named = [("a", torch.zeros(10)), ("half", torch.zeros(25)), ("b", torch.zeros(10)),
-             ("big", torch.zeros(300)), ("c", torch.zeros(10))]
+    named = [
+        ("a", torch.zeros(10)),
+        ("half", torch.zeros(25)),
+        ("b", torch.zeros(10)),
+        ("big", torch.zeros(300)),
+        ("c", torch.zeros(10)),
+    ]
     metas, sizes = plan(named, 200)
     by_name = {m.name: m for m in metas}
     for solo in ("half", "big"):
@@ -213,8 +228,11 @@ def test_verify_names_the_first_bad_bucket_and_a_missing_one():
 
 
 def test_copy_out_fills_destinations_and_hands_back_views_where_it_cannot():
-    named = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.arange(4, dtype=torch.int16)),
-             ("c", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+    named = [
+        ("a", torch.arange(6, dtype=torch.float32)),
+        ("b", torch.arange(4, dtype=torch.int16)),
+        ("c", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+    ]
     metas, sizes = plan(named, 1 << 20)
     buf = pack(0, metas, dict(named), torch.empty(sizes[0], dtype=torch.uint8))
     into = {"a": torch.zeros(6), "c": torch.zeros(3, 2).t()}  # no "b"; "c" strided

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rlbus.schemas import MAX_VERSION_LEN, version_problem
 
 

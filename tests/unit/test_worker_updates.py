@@ -12,12 +12,12 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 import torch
-
 from rlbus.schemas import TransferInit, UpdateMode
 from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from rlbus.services.worker.book import Book
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.updates import WeightUpdates
+
 from rlbus.transfer import TrainerTransfer, prepare, send_stream, trainer_transfer
 from tests.weights_helpers import MODEL, Named, assert_engine_holds, engine_snapshot, trained
 
@@ -48,7 +48,7 @@ async def shm_group(updates: WeightUpdates) -> AsyncIterator[TrainerTransfer]:
         tx.close()
 
 
-async def send(updates: WeightUpdates, tx: TrainerTransfer, session_id: str, named: Named, tg) -> list[str]:  # noqa: ANN001
+async def send(updates: WeightUpdates, tx: TrainerTransfer, session_id: str, named: Named, tg) -> list[str]:
     """One update of `named`: the worker checks the metadata and starts receiving, the trainer
     streams the buckets from a thread; returns the trainer's checksums."""
     plan = prepare(named, BUCKET)
@@ -100,7 +100,11 @@ def _unknown(named: Named) -> tuple[Named, str, str]:
 
 def _wrong_dtype(named: Named) -> tuple[Named, str, str]:
     victim = "blocks.0.qkv.bias"
-    return [(n, t.to(torch.bfloat16) if n == victim else t) for n, t in named], victim, "dtype bfloat16, model has float32"
+    return (
+        [(n, t.to(torch.bfloat16) if n == victim else t) for n, t in named],
+        victim,
+        "dtype bfloat16, model has float32",
+    )
 
 
 def _wrong_shape(named: Named) -> tuple[Named, str, str]:
@@ -109,7 +113,9 @@ def _wrong_shape(named: Named) -> tuple[Named, str, str]:
     return bad, victim, "shape [129, 32], model has [128, 32]"
 
 
-@pytest.mark.parametrize("spoil", [_unknown, _wrong_dtype, _wrong_shape], ids=["unknown-name", "wrong-dtype", "wrong-shape"])
+@pytest.mark.parametrize(
+    "spoil", [_unknown, _wrong_dtype, _wrong_shape], ids=["unknown-name", "wrong-dtype", "wrong-shape"]
+)
 async def test_metadata_that_does_not_match_the_model_is_refused_naming_the_tensor_before_any_byte_moves(spoil):
     updates = worker()
     before = engine_snapshot(updates.engine)
@@ -204,7 +210,9 @@ async def test_aborting_a_staged_session_after_every_byte_arrived_leaves_the_wei
 # ---- set_version -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["", "   ", "x" * 129, "step\n1", "tab\there"], ids=["empty", "blank", "too-long", "newline", "tab"])
+@pytest.mark.parametrize(
+    "bad", ["", "   ", "x" * 129, "step\n1", "tab\there"], ids=["empty", "blank", "too-long", "newline", "tab"]
+)
 async def test_set_version_refuses_an_invalid_version(bad):
     updates = worker()
     with pytest.raises(InvalidArgument):

@@ -70,7 +70,10 @@ async def generate(rl: RLClient, task: Task, reqs: Sequence[Request]) -> list[Ge
 
 
 async def regenerate_stale(
-    replies: list[GenerateReply], reqs: Sequence[Request], current_step: int, max_staleness: int,
+    replies: list[GenerateReply],
+    reqs: Sequence[Request],
+    current_step: int,
+    max_staleness: int,
     generate: Callable[[list[Request]], Awaitable[list[GenerateReply]]],
 ) -> tuple[list[GenerateReply], list[GenerateReply], list[GenerateReply], int]:
     """(replies, fresh, dropped, regenerated): a rollout more than `max_staleness` versions
@@ -87,8 +90,13 @@ async def regenerate_stale(
 
 
 def grpo_step(
-    logits_of: Logits, opt: torch.optim.Optimizer, task: Task, samples_per_prompt: int, clip: float,
-    prompts: list[list[int]], replies: list[GenerateReply],
+    logits_of: Logits,
+    opt: torch.optim.Optimizer,
+    task: Task,
+    samples_per_prompt: int,
+    clip: float,
+    prompts: list[list[int]],
+    replies: list[GenerateReply],
 ) -> tuple[float, Teacher]:
     """One clipped policy-gradient step with group-normalised advantages (GRPO); returns the
     loss and the policy's logits for distilling the draft."""
@@ -149,9 +157,17 @@ def mean_reward(task: Task, replies: Sequence[GenerateReply]) -> float:
 
 
 def serve_progress(
-    fleet: ProcessFleet, console: Console, steps: int, t0: float, *, ready_timeout: float | None, rpc_timeout: float,
-    describe: Callable[[Any], str], train: Callable[[RLClient, Callable[[Any], None]], Awaitable[list]],
-    stats: Callable[[Any], str], logs: list,
+    fleet: ProcessFleet,
+    console: Console,
+    steps: int,
+    t0: float,
+    *,
+    ready_timeout: float | None,
+    rpc_timeout: float,
+    describe: Callable[[Any], str],
+    train: Callable[[RLClient, Callable[[Any], None]], Awaitable[list]],
+    stats: Callable[[Any], str],
+    logs: list,
 ) -> None:
     """Wait for the fleet, show it, run `train(rl, on_step)` under a progress bar (each step's
     line from `stats`), collect its logs into `logs`, and show the committed versions."""
@@ -164,8 +180,12 @@ def serve_progress(
             info = await rl.server_info()
             console.print(describe(info))
             with Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=12), TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(), console=console,
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(bar_width=12),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                console=console,
             ) as bar:
                 task = bar.add_task("train", total=steps, stats="")
 
@@ -188,5 +208,7 @@ def reward_summary(logs: Sequence[Any], t0: float) -> str:
     first = sum(g.reward for g in logs[:k]) / k
     last = sum(g.reward for g in logs[-k:]) / k
     syncs = sorted(g.sync_s for g in logs)
-    return (f"[bold]done[/] in {time.monotonic() - t0:.0f} s: reward {first:.2f} -> {last:.2f} (first/last {k} steps), "
-            f"median sync {syncs[len(syncs) // 2] * 1000:.0f} ms")
+    return (
+        f"[bold]done[/] in {time.monotonic() - t0:.0f} s: reward {first:.2f} -> {last:.2f} (first/last {k} steps), "
+        f"median sync {syncs[len(syncs) // 2] * 1000:.0f} ms"
+    )

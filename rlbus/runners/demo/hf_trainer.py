@@ -60,11 +60,19 @@ def write_models(folder: Path, cfg: HfDemoConfig) -> tuple[Path, Path | None]:
     from rlbus.services.worker.vllm.checkpoint import write_toy_model
 
     vocab = cfg.task.vocab_size
-    policy = write_toy_model(folder / "policy", seed=cfg.seed, hidden=cfg.hidden, layers=cfg.layers, vocab=vocab, init_std=0.02)
+    policy = write_toy_model(
+        folder / "policy", seed=cfg.seed, hidden=cfg.hidden, layers=cfg.layers, vocab=vocab, init_std=0.02
+    )
     draft = None
     if cfg.draft:
-        draft = write_toy_model(folder / "draft", seed=cfg.seed + 1000, hidden=cfg.hidden, layers=cfg.draft_layers, vocab=vocab,
-                                init_std=0.02)
+        draft = write_toy_model(
+            folder / "draft",
+            seed=cfg.seed + 1000,
+            hidden=cfg.hidden,
+            layers=cfg.draft_layers,
+            vocab=vocab,
+            init_std=0.02,
+        )
     return policy, draft
 
 
@@ -106,8 +114,15 @@ class HfTrainer:
         return await generate(self.rl, self.cfg.task, reqs)
 
     def _train(self, prompts: list[list[int]], replies: list[GenerateReply]) -> float:
-        loss, teacher = grpo_step(partial(_logits, self.policy), self.opt, self.cfg.task, self.cfg.samples_per_prompt,
-                                  self.cfg.clip, prompts, replies)
+        loss, teacher = grpo_step(
+            partial(_logits, self.policy),
+            self.opt,
+            self.cfg.task,
+            self.cfg.samples_per_prompt,
+            self.cfg.clip,
+            prompts,
+            replies,
+        )
         if self.draft is not None:
             distill(partial(_logits, self.draft), self.draft_opt, teacher, self.cfg.draft_distill_steps)
         return loss
@@ -119,7 +134,9 @@ class HfTrainer:
             reqs = self._requests()
             replies = await self._generate(reqs)
             # on-policy: a rollout from older weights is generated again
-            replies, _, dropped, _ = await regenerate_stale(replies, reqs, step - 1, self.cfg.max_staleness, self._generate)
+            replies, _, dropped, _ = await regenerate_stale(
+                replies, reqs, step - 1, self.cfg.max_staleness, self._generate
+            )
             loss = await anyio.to_thread.run_sync(self._train, [q[0] for q in reqs], replies)
             version = f"step-{step}"
             t = time.monotonic()
@@ -132,9 +149,18 @@ class HfTrainer:
             sync_s = time.monotonic() - t
             eval_reward, acceptance = await evaluate(self.rl, self.cfg.task, self.eval_prompts)
             log = HfStepLog(
-                step=step, version=version, reward=mean_reward(self.cfg.task, replies),
-                eval_reward=eval_reward, dropped=len(dropped), sync_s=sync_s, bytes_pushed=pushed, bytes_dense=pushed, acceptance=acceptance,
-                draft_version=self.draft_version, loss=loss, time_s=time.monotonic() - t0,
+                step=step,
+                version=version,
+                reward=mean_reward(self.cfg.task, replies),
+                eval_reward=eval_reward,
+                dropped=len(dropped),
+                sync_s=sync_s,
+                bytes_pushed=pushed,
+                bytes_dense=pushed,
+                acceptance=acceptance,
+                draft_version=self.draft_version,
+                loss=loss,
+                time_s=time.monotonic() - t0,
             )
             self.logs.append(log)
             self.on_step(log)

@@ -50,7 +50,9 @@ def write_plot(path: Path, logs: Sequence[StepLog]) -> None:
     changed = [(g.step, 100 * g.changed_fraction) for g in logs if g.changed_fraction is not None]
     if changed:
         ax2 = ax.twinx()
-        ax2.plot([a for a, _ in changed], [b for _, b in changed], color="tab:orange", ls="--", label="% elements changed")
+        ax2.plot(
+            [a for a, _ in changed], [b for _, b in changed], color="tab:orange", ls="--", label="% elements changed"
+        )
         ax2.set_ylabel("% of elements changed")
         ax2.set_ylim(0, max(b for _, b in changed) * 1.2 + 1e-9)
         ax2.legend(loc="upper right", fontsize=8)

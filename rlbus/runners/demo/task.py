@@ -43,7 +43,8 @@ def split_by_staleness(
 ) -> tuple[list[GenerateReply], list[GenerateReply]]:
     """(fresh, dropped): a rollout is dropped when its weights are more than
     `max_staleness` versions older than the trainer's current ones."""
-    fresh, dropped = [], []
+    fresh: list = []
+    dropped: list = []
     for r in replies:
         (fresh if current_step - version_step(r.weight_version) <= max_staleness else dropped).append(r)
     return fresh, dropped

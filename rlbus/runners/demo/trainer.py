@@ -20,9 +20,9 @@ import anyio
 import msgspec
 import torch
 
-from rlbus.sdk.client import RLClient
-from rlbus.schemas import GenerateReply
 from rlbus.models.tinylm import ModelConfig, TinyLM
+from rlbus.schemas import GenerateReply
+from rlbus.sdk.client import RLClient
 
 from .common import GrpoConfig, Request, distill, evaluate, generate, grpo_step, mean_reward, regenerate_stale, requests
 
@@ -101,8 +101,9 @@ class Trainer:
     # ---- learning ---------------------------------------------------------------------
 
     def _train(self, prompts: list[list[int]], replies: list[GenerateReply]) -> float:
-        loss, teacher = grpo_step(self.policy, self.opt, self.cfg.task, self.cfg.samples_per_prompt, self.cfg.clip,
-                                  prompts, replies)
+        loss, teacher = grpo_step(
+            self.policy, self.opt, self.cfg.task, self.cfg.samples_per_prompt, self.cfg.clip, prompts, replies
+        )
         if self.draft is not None:
             distill(self.draft, self.draft_opt, teacher, self.cfg.draft_distill_steps)
         return loss
@@ -149,7 +150,9 @@ class Trainer:
             assert main is not None
             pushed, dense = main.bytes_sent, main.bytes_dense
             if self.draft is not None and step % self.cfg.draft_every == 0:
-                await self.rl.push_weights(self.served(self.draft), version=f"draft-{step}", draft=True, delta=self.cfg.delta)
+                await self.rl.push_weights(
+                    self.served(self.draft), version=f"draft-{step}", draft=True, delta=self.cfg.delta
+                )
                 self.draft_version = f"draft-{step}"
                 assert self.rl.last_push is not None
                 pushed += self.rl.last_push.bytes_sent
@@ -157,12 +160,23 @@ class Trainer:
             sync_s = time.monotonic() - t
             eval_reward, acceptance = await evaluate(self.rl, self.cfg.task, self.eval_prompts)
             log = StepLog(
-                step=step, version=version,
+                step=step,
+                version=version,
                 reward=mean_reward(self.cfg.task, replies),
-                eval_reward=eval_reward, kept=len(fresh), dropped=len(dropped), regenerated=regenerated,
-                sync_s=sync_s, bytes_pushed=pushed, bytes_dense=dense, changed_fraction=main.changed_fraction if main.delta else None,
-                delta=main.delta, fallback=main.fallback, acceptance=acceptance, draft_version=self.draft_version,
-                loss=loss, time_s=time.monotonic() - t0,
+                eval_reward=eval_reward,
+                kept=len(fresh),
+                dropped=len(dropped),
+                regenerated=regenerated,
+                sync_s=sync_s,
+                bytes_pushed=pushed,
+                bytes_dense=dense,
+                changed_fraction=main.changed_fraction if main.delta else None,
+                delta=main.delta,
+                fallback=main.fallback,
+                acceptance=acceptance,
+                draft_version=self.draft_version,
+                loss=loss,
+                time_s=time.monotonic() - t0,
             )
             self.logs.append(log)
             self.on_step(log)

@@ -18,15 +18,33 @@ VLLM_START_TIMEOUT_S = 600.0
 
 
 def vllm_worker_flags(policy: Path, draft: Path | None, backend: str, max_model_len: int) -> list[str]:
-    flags = ["--engine", "vllm", "--model", str(policy), "--weight-transfer-backend", backend,
-             "--vllm-arg", f"max_model_len={max_model_len}", "--vllm-arg", "max_num_seqs=64"]
+    flags = [
+        "--engine",
+        "vllm",
+        "--model",
+        str(policy),
+        "--weight-transfer-backend",
+        backend,
+        "--vllm-arg",
+        f"max_model_len={max_model_len}",
+        "--vllm-arg",
+        "max_num_seqs=64",
+    ]
     if draft is not None:
         flags += ["--draft-model", str(draft), "--num-speculative-tokens", "3"]
     return flags
 
 
 def run_vllm_demo(
-    *, workers: int, steps: int, out: Path, nats_url: str | None, draft: bool, backend: str, seed: int, spawn: bool = True,
+    *,
+    workers: int,
+    steps: int,
+    out: Path,
+    nats_url: str | None,
+    draft: bool,
+    backend: str,
+    seed: int,
+    spawn: bool = True,
 ) -> list[HfStepLog]:
     from rich.console import Console
 
@@ -42,8 +60,10 @@ def run_vllm_demo(
     t0 = time.monotonic()
     try:
         if spawn:
-            console.print(f"[bold]rlbus demo (vLLM)[/]: NATS {url}{' (embedded)' if server else ''}; starting controller + "
-                          f"{workers} vLLM workers (tens of seconds each)")
+            console.print(
+                f"[bold]rlbus demo (vLLM)[/]: NATS {url}{' (embedded)' if server else ''}; starting controller + "
+                f"{workers} vLLM workers (tens of seconds each)"
+            )
             fleet.start()
 
         def progress_line(g: HfStepLog) -> str:
@@ -51,17 +71,33 @@ def run_vllm_demo(
             return f"rew {g.reward:.2f}/{g.eval_reward:.2f} {g.version} sync {g.sync_s * 1000:.0f}ms {g.bytes_pushed / 2**20:.2f}MiB{acc}"
 
         serve_progress(
-            fleet, console, steps, t0, ready_timeout=VLLM_START_TIMEOUT_S, rpc_timeout=120.0, logs=logs, stats=progress_line,
-            describe=lambda info: (f"fleet ready in {time.monotonic() - t0:.0f} s: {[w.worker_id for w in info.workers]}, model "
-                                   f"{info.capabilities.model_name}, backend {info.capabilities.weight_transfer_backend}, "
-                                   f"draft {info.capabilities.has_draft_model}"),
+            fleet,
+            console,
+            steps,
+            t0,
+            ready_timeout=VLLM_START_TIMEOUT_S,
+            rpc_timeout=120.0,
+            logs=logs,
+            stats=progress_line,
+            describe=lambda info: (
+                f"fleet ready in {time.monotonic() - t0:.0f} s: {[w.worker_id for w in info.workers]}, model "
+                f"{info.capabilities.model_name}, backend {info.capabilities.weight_transfer_backend}, "
+                f"draft {info.capabilities.has_draft_model}"
+            ),
             train=lambda rl, on_step: HfTrainer(rl, cfg, policy_dir, draft_dir, on_step=on_step).run(),
         )
     finally:
         if logs:
-            meta = {"engine": "vllm", "workers": workers, "steps": steps, "seed": seed, "backend": backend, "draft": draft,
-                    "wall_s": round(time.monotonic() - t0, 2)}
-            write_log(out / "log.json", logs, meta)
+            meta = {
+                "engine": "vllm",
+                "workers": workers,
+                "steps": steps,
+                "seed": seed,
+                "backend": backend,
+                "draft": draft,
+                "wall_s": round(time.monotonic() - t0, 2),
+            }
+            write_log(out / "log.json", logs, meta)  # type: ignore[arg-type]
             write_plot(out / "plot.png", logs)  # type: ignore[arg-type]
         fleet.stop()
         if server is not None:

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-
 from rlbus.schemas.errors import FailedPrecondition
 
 from ..engine import ParamSpec
@@ -24,7 +23,9 @@ WEIGHTS_FILE = "model.safetensors"
 def _files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FailedPrecondition(f"{folder} holds no *.safetensors checkpoint (save_pretrained(safe_serialization=True) writes one)")
+        raise FailedPrecondition(
+            f"{folder} holds no *.safetensors checkpoint (save_pretrained(safe_serialization=True) writes one)"
+        )
     return files
 
 
@@ -73,13 +74,29 @@ def write_model_folder(source: str | Path, dest: str | Path, tensors: Mapping[st
 
 
 _DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
-def write_toy_model(folder: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = 512,
-                    max_positions: int = 512, init_std: float = 0.3) -> Path:
+def write_toy_model(
+    folder: str | Path,
+    *,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    vocab: int = 512,
+    max_positions: int = 512,
+    init_std: float = 0.3,
+) -> Path:
     """A small Qwen2 model folder (no hub needed) for the demo and the tests: 2 heads of
     64/2 = 32 dims (the smallest head size vLLM's CPU attention supports), tied embeddings.
     init_std well above transformers' 0.02 makes greedy decoding decisive, not a coin toss
@@ -88,9 +105,15 @@ def write_toy_model(folder: str | Path, *, seed: int = 0, hidden: int = 64, laye
 
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 32), num_key_value_heads=1, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, dtype="float32",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        dtype="float32",
     )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():

@@ -34,7 +34,6 @@ from typing import Any
 import anyio
 import msgspec
 import torch
-
 from rlbus.schemas import DEFAULT_VERSION, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
 
@@ -74,7 +73,8 @@ def engine_args(options: VllmOptions, dtype: torch.dtype | None = None) -> dict[
         args.update(enforce_eager=True, max_num_seqs=32)
     if options.draft_model:
         args["speculative_config"] = {
-            "method": "draft_model", "model": options.draft_model,
+            "method": "draft_model",
+            "model": options.draft_model,
             "num_speculative_tokens": options.num_speculative_tokens,
         }
         args["per_request_spec_decode_metrics"] = "summary"  # vLLM refuses it without speculation
@@ -120,8 +120,10 @@ class VllmEngine(Engine):
     """The adapter. Create with `await VllmEngine.start(options)`; `await engine.close()` at the end."""
 
     sleeps_tags_together = True
-    sleep_off_hint = ("vLLM refuses enable_sleep_mode on this platform, or the worker was started without it: "
-                      "--vllm-arg enable_sleep_mode=true on a GPU host")
+    sleep_off_hint = (
+        "vLLM refuses enable_sleep_mode on this platform, or the worker was started without it: "
+        "--vllm-arg enable_sleep_mode=true on a GPU host"
+    )
 
     def __init__(self, options: VllmOptions) -> None:
         super().__init__(options.model_name or Path(options.model).name, sleep_mode_enabled=False)
@@ -175,7 +177,9 @@ class VllmEngine(Engine):
         self.max_model_len = int(cfg.model_config.max_model_len)
         self._kv_bytes = int(cfg.cache_config.kv_cache_memory_bytes or 0)
         spec = cfg.speculative_config
-        self._draft_k = int(spec.num_speculative_tokens or 0) if spec is not None and spec.draft_model_config is not None else 0
+        self._draft_k = (
+            int(spec.num_speculative_tokens or 0) if spec is not None and spec.draft_model_config is not None else 0
+        )
         if self.draft is not None and self._draft_k == 0:
             llm.shutdown()
             raise FailedPrecondition("vLLM did not configure the draft model for speculative decoding")
@@ -231,7 +235,9 @@ class VllmEngine(Engine):
     # ---- generation --------------------------------------------------------------------
 
     def _check_request(self, req: GenerateRequest) -> None:
-        check_generate_request(req, vocab_size=self.vocab_size, max_len=self.max_model_len, max_len_name="vLLM's max_model_len")
+        check_generate_request(
+            req, vocab_size=self.vocab_size, max_len=self.max_model_len, max_len_name="vLLM's max_model_len"
+        )
 
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         if self.vocab_size:
@@ -280,15 +286,18 @@ class VllmEngine(Engine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         params = SamplingParams(
-            max_tokens=request.max_tokens, temperature=request.temperature,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
             seed=request.seed if request.temperature > 0 else None,
             logprobs=0 if request.return_logprobs else None,
-            ignore_eos=True, detokenize=False,
+            ignore_eos=True,
+            detokenize=False,
         )
         final = None
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_tokens)), params,
-                                               request_id=uuid.uuid4().hex):
+            async for out in self.llm.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_tokens)), params, request_id=uuid.uuid4().hex
+            ):
                 if not req.started:
                     # vLLM admitted it (its first output): the weights serving it are the ones
                     # held now. A request vLLM queued behind a pause (and a load) starts later.
@@ -364,15 +373,23 @@ class VllmEngine(Engine):
         return self._part(target).committed
 
     async def load_weights(
-        self, target: UpdateTarget, tensors: Mapping[str, torch.Tensor], written: set[str] | None = None,
-        *, loaded: Callable[[], None] = lambda: None,
+        self,
+        target: UpdateTarget,
+        tensors: Mapping[str, torch.Tensor],
+        written: set[str] | None = None,
+        *,
+        loaded: Callable[[], None] = lambda: None,
     ) -> None:
         if written:
-            raise FailedPrecondition("a vLLM worker receives into staged buffers only; start it with --update-mode staged")
+            raise FailedPrecondition(
+                "a vLLM worker receives into staged buffers only; start it with --update-mode staged"
+            )
         part = self._part(target)
         problems = _mismatches(part.specs, tensors)
         if problems:  # never reaches vLLM: a bad load would kill its engine
-            raise InvalidArgument(f"{len(problems)} tensors do not match the {target} checkpoint: {', '.join(problems[:20])}")
+            raise InvalidArgument(
+                f"{len(problems)} tensors do not match the {target} checkpoint: {', '.join(problems[:20])}"
+            )
         if "weights" in self._sleeping:
             raise FailedPrecondition("weights are asleep; wake_up(tags=['weights']) before loading")
         await self._load(target, {**part.committed, **tensors}, loaded)
@@ -428,8 +445,11 @@ class VllmEngine(Engine):
     def _failed(self, error: BaseException) -> None:
         """vLLM's engine is dead or half-written: stop serving and restart it from the
         committed weights (kept here), in the background."""
-        log.error("vLLM failed a weight load (%s); restarting it from the committed weights (%s)", error,
-                  self.book.main.version)
+        log.error(
+            "vLLM failed a weight load (%s); restarting it from the committed weights (%s)",
+            error,
+            self.book.main.version,
+        )
         self._restarting = True
         self._changes.notify()
         if self._restart is None or self._restart.done():
@@ -439,15 +459,18 @@ class VllmEngine(Engine):
         old, self.llm = self.llm, _NotStarted()
         try:
             await anyio.to_thread.run_sync(old.shutdown)
-        except Exception as e:  # noqa: BLE001 - it is dead already; start the new one regardless
+        except Exception as e:
             log.warning("shutting the failed vLLM engine down: %s", e)
         folder = Path(tempfile.mkdtemp(prefix="rlbus-vllm-committed-"))
         try:
-            main = await anyio.to_thread.run_sync(checkpoint.write_model_folder, self.main.folder, folder / "main", self.main.committed)
+            main = await anyio.to_thread.run_sync(
+                checkpoint.write_model_folder, self.main.folder, folder / "main", self.main.committed
+            )
             draft = None
             if self.draft is not None:
-                draft = await anyio.to_thread.run_sync(checkpoint.write_model_folder, self.draft.folder, folder / "draft",
-                                                       self.draft.committed)
+                draft = await anyio.to_thread.run_sync(
+                    checkpoint.write_model_folder, self.draft.folder, folder / "draft", self.draft.committed
+                )
             try:
                 await self._launch(str(main), str(draft) if draft else None)
             except Exception:
@@ -482,4 +505,3 @@ def _mismatches(specs: Mapping[str, ParamSpec], tensors: Mapping[str, torch.Tens
         elif tuple(t.shape) != tuple(spec.shape):
             problems.append(f"{name} (shape {list(t.shape)}, checkpoint has {list(spec.shape)})")
     return problems
-

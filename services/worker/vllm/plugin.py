@@ -19,4 +19,6 @@ def register() -> None:
     except ImportError:  # a vLLM without the weight-transfer API: nothing to register
         return
     if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM may load plugins more than once
-        WeightTransferEngineFactory.register_engine(BACKEND, "rlbus.services.worker.vllm.transfer", "StagedTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "rlbus.services.worker.vllm.transfer", "StagedTransferEngine"
+        )

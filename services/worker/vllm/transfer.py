@@ -23,7 +23,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 
-
 @dataclass
 class StagedInitInfo(WeightTransferInitInfo):
     """Nothing to rendezvous: the bytes are already on this host."""
@@ -74,10 +73,10 @@ class StagedTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo
         with safe_open(update_info.path, framework="pt", device="cpu") as f:
             pairs = [(name, f.get_tensor(name)) for name in update_info.names]
         if update_info.fail_after is not None:
-            self.model.load_weights(pairs[: update_info.fail_after])
+            self.model.load_weights(pairs[: update_info.fail_after])  # type: ignore[operator]
             raise InjectedLoadFailure(f"injected failure after {update_info.fail_after} tensors")
         with torch.no_grad():
-            self.model.load_weights(pairs)
+            self.model.load_weights(pairs)  # type: ignore[operator]
 
     def shutdown(self) -> None:
         pass
