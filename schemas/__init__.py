@@ -46,7 +46,7 @@ from .errors import (
     refuse,
 )
 from .events import AnyEvent, ControllerHello, EventKind, FleetEvent, Heartbeat, WorkerGone, WorkerReady
-from .generate import FinishReason, GenerateReply, GenerateRequest
+from .generate import FinishReason, GenerateReply, GenerateRequest, WeightVersionSpan
 from .replies import (
     AnyReply,
     CommitDecision,

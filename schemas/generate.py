@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
 from .base import Message
 
 FinishReason = Literal["length", "abort"]
@@ -19,6 +21,20 @@ class GenerateRequest(Message, frozen=True, kw_only=True, tag="generate"):
     return_logprobs: bool = False
 
 
+class WeightVersionSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """Output tokens `[start, end)` were produced by the weights labelled `version` under commit
+    `seq` (vLLM's `WeightVersionSpan(version, start, end)`, plus the seq)."""
+
+    version: str
+    """The weight version (VersionInfo.version) those tokens were produced under."""
+    seq: int
+    """Its commit sequence (VersionInfo.seq)."""
+    start: int
+    """Index of the span's first token in the reply's tokens."""
+    end: int
+    """One past its last token: spans cover the tokens in order, each starting where the last ended."""
+
+
 class GenerateReply(Message, frozen=True, kw_only=True, tag="generate_reply"):
     worker_id: str
     tokens: list[int]
@@ -26,7 +42,8 @@ class GenerateReply(Message, frozen=True, kw_only=True, tag="generate_reply"):
     finish_reason: FinishReason
     """length: max_tokens reached; abort: ended by pause(mode="abort")."""
     weight_version: str
-    """The weight version that produced every token of this reply."""
+    """The weight version that produced the first token of this reply (every token, unless
+    weight_versions has more than one span)."""
     weight_seq: int = 0
     """Its commit sequence (VersionInfo.seq): how stale a rollout is, by subtraction."""
     draft_version: str | None = None
@@ -37,6 +54,10 @@ class GenerateReply(Message, frozen=True, kw_only=True, tag="generate_reply"):
     """Draft tokens accepted by the verifier."""
     mean_accepted_length: float = 0.0
     """Accepted draft tokens per verifier step (0 without speculation)."""
+    weight_versions: list[WeightVersionSpan] = []
+    """Which weights produced which tokens, in order, covering every token: one span when one
+    set of weights produced them all, more when a commit (or a version relabel) landed while
+    the request ran. Empty for a reply without tokens, or from a worker that predates it."""
 
     @property
     def acceptance_rate(self) -> float:

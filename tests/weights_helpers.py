@@ -97,6 +97,36 @@ def greedy(
     return out
 
 
+def greedy_switched(
+    before: Named | dict[str, torch.Tensor],
+    after: Named | dict[str, torch.Tensor],
+    prompt: Sequence[int],
+    max_tokens: int,
+    switch_at: int,
+    cfg: ModelConfig = MODEL,
+) -> list[int]:
+    """Greedy decode of one prompt that steps on `before` for its first `switch_at` tokens and
+    on `after` from then on, keeping its KV cache across the switch: what a reference engine
+    produces for a request in flight while new weights are loaded between two of its steps."""
+    model = TinyLM(cfg).eval()
+    params = dict(model.named_parameters())
+    for name, t in dict(before).items():
+        params[name].data.copy_(t)
+    kv = KVCache(cfg, 1)
+    pending, pos, tokens = list(prompt), 0, []
+    with torch.inference_mode():
+        while len(tokens) < max_tokens:
+            if len(tokens) == switch_at:
+                for name, t in dict(after).items():
+                    params[name].data.copy_(t)
+            logits = model(torch.tensor(pending, dtype=torch.long), kv, 0, pos)[-1]
+            token = int(torch.argmax(logits).item())
+            pos += len(pending)
+            pending = [token]
+            tokens.append(token)
+    return tokens
+
+
 async def generate_all(rl: RLClient, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = MAX_TOKENS):
     """One greedy generation per prompt; every reply ran to its length."""
     replies = await asyncio.gather(*(rl.generate(p, max_tokens) for p in prompts))

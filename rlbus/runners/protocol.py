@@ -224,7 +224,7 @@ def render() -> str:
     ):
         out += _message(cls)
     out += ["## Generation: anyone → one worker on `rl.generate` (queue group)", ""]
-    for cls in (s.GenerateRequest, s.GenerateReply):
+    for cls in (s.GenerateRequest, s.GenerateReply, s.WeightVersionSpan):
         out += _message(cls)
     out += [
         "## Error codes (`nack.code`, `failures[].code`)",

@@ -43,7 +43,10 @@ class Labels(Protocol):
 
 
 class Book:
-    """One per worker (and one per engine standing alone, until a worker attaches its own)."""
+    """One per worker (and one per engine standing alone, until a worker attaches its own).
+
+    Room to grow: a worker that missed a decided commit is quarantined (withheld until
+    `holds(decided)`); that is one more field read by `withheld` and cleared by `commit`."""
 
     __slots__ = ("_main", "_draft", "_dirty", "_withheld", "_epoch", "_controller_id")
 

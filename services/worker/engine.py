@@ -15,13 +15,22 @@ from __future__ import annotations
 import abc
 import typing
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 import torch
-from rlbus.schemas import SLEEP_TAGS, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas import (
+    SLEEP_TAGS,
+    GenerateReply,
+    GenerateRequest,
+    PauseMode,
+    SleepTag,
+    UpdateTarget,
+    WeightVersionSpan,
+)
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument, Unavailable
 
-from .book import Book, Labels
+from .book import Book, Labels, WeightLabel
 from .changes import Changes
 
 
@@ -46,6 +55,35 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
 class ParamSpec(msgspec.Struct, frozen=True):
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+
+class TokenLabels:
+    """Which weights produced each token of one request, as spans: an engine adds each run of
+    tokens with the label of the weights that produced it (read at that step, from the books)."""
+
+    def __init__(self, admitted: WeightLabel) -> None:
+        self._first = admitted
+        """The label when the request was admitted: a reply without tokens carries it."""
+        self._spans: list[tuple[WeightLabel, int, int]] = []
+
+    def add(self, label: WeightLabel, count: int) -> None:
+        if count <= 0:
+            return
+        end = self._spans[-1][2] if self._spans else 0
+        if self._spans and self._spans[-1][0] == label:
+            self._spans[-1] = (label, self._spans[-1][1], end + count)
+        else:
+            self._spans.append((label, end, end + count))
+
+    def reply_fields(self, n: int) -> dict[str, Any]:
+        """weight_version, weight_seq (the first token's) and weight_versions for a reply of `n` tokens."""
+        spans = [
+            WeightVersionSpan(version=label.version, seq=label.seq, start=start, end=min(end, n))
+            for label, start, end in self._spans
+            if start < n
+        ]
+        first = self._spans[0][0] if spans else self._first
+        return {"weight_version": first.version, "weight_seq": first.seq, "weight_versions": spans}
 
 
 class Engine(abc.ABC):
@@ -159,9 +197,8 @@ class Engine(abc.ABC):
                 f"({self.book.main.version}); retry"
             )
         if self._sleeping:
-            raise FailedPrecondition(
-                f"engine is asleep ({', '.join(sorted(self._sleeping))}); call wake_up() before generating"
-            )
+            asleep = ", ".join(sorted(self._sleeping))
+            raise FailedPrecondition(f"engine is asleep ({asleep}); call wake_up() before generating")
         if not self.weights_loaded:
             raise FailedPrecondition("weights were discarded by a level-2 sleep; push new weights before generating")
         if self.book.dirty:

@@ -19,7 +19,7 @@ from rlbus.schemas.errors import FailedPrecondition
 
 from rlbus.models.tinylm import KVCache, ModelConfig, TinyLM
 
-from .engine import Engine, ParamSpec, check_generate_request
+from .engine import Engine, ParamSpec, TokenLabels, check_generate_request
 
 StaleDraftPolicy = Literal["keep", "disable"]
 
@@ -204,7 +204,7 @@ class ReferenceEngine(Engine):
                 self._changes.notify()
 
     async def _run(self, request: GenerateRequest, req: _Request, slot: int) -> GenerateReply:
-        version, seq, draft_version = self.book.main.version, self.book.main.seq, self.book.draft.version
+        labels, draft_version = TokenLabels(self.book.main), self.book.draft.version
         gen = None
         if request.temperature > 0:
             gen = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
@@ -222,6 +222,8 @@ class ReferenceEngine(Engine):
                 continue
             async with self._model_lock:
                 self._refuse_if_unservable()
+                label = self.book.main  # a load changes the weights, and their label, only under this lock
+                produced = st.produced
                 remaining = request.max_tokens - st.produced
                 if self._speculating(request) and remaining > 1:
                     await anyio.to_thread.run_sync(
@@ -229,6 +231,7 @@ class ReferenceEngine(Engine):
                     )
                 else:
                     await anyio.to_thread.run_sync(self._plain_step, st, request.temperature)
+                labels.add(label, st.produced - produced)
         out = st.tokens[len(request.prompt_tokens) :][: request.max_tokens]
         self.spec_proposed += st.proposed
         self.spec_accepted += st.accepted
@@ -236,8 +239,7 @@ class ReferenceEngine(Engine):
             worker_id="",
             tokens=out,
             finish_reason=finish,  # type: ignore[arg-type]
-            weight_version=version,
-            weight_seq=seq,
+            **labels.reply_fields(len(out)),
             draft_version=draft_version if st.rounds else None,
             logprobs=st.logprobs[: len(out)] if request.return_logprobs else None,
             proposed=st.proposed,

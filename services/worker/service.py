@@ -3,6 +3,9 @@
 Endpoints: rl.worker.<id>.<op> (commands from the controller) and rl.generate (queue group).
 It announces itself on rl.worker.ready, re-announces on rl.controller.hello, beats on
 rl.worker.heartbeat and says goodbye on rl.worker.gone when it stops.
+
+It owns the worker's books (book.py: what it holds, whether it is withheld, its fence) and
+brings the engine to every state asked of it through one `converge(target)`.
 """
 
 from __future__ import annotations
@@ -373,9 +376,8 @@ class WorkerService:
 
     async def _wake_up(self, cmd: WakeUpWorker) -> WorkerAck:
         held, tags = self._held_state(), _tags(cmd.tags)
-        await self.converge(
-            msgspec.structs.replace(held, sleeping_tags=[t for t in held.sleeping_tags if t not in tags])
-        )
+        awake = [t for t in held.sleeping_tags if t not in tags]
+        await self.converge(msgspec.structs.replace(held, sleeping_tags=awake))
         return self.ack()
 
     # ---- the other commands -----------------------------------------------------------------

@@ -3,8 +3,8 @@
 staged mode: tensors are received into a shadow copy; commit copies them into the model
 between two forward steps; abort drops the copy and the model never changed.
 in_place mode: tensors are received straight into the model's parameters (no extra
-memory, like vLLM); an abort after bytes arrived leaves the engine dirty, and it refuses
-generation until a later update commits.
+memory, like vLLM); an abort after bytes arrived leaves the worker's weights dirty (its
+books say so), and the engine refuses generation until a later update commits.
 
 A delta session (opened with a base commit sequence) may carry deltas: only the elements
 that changed since that commit. Staged, each is written onto a copy of the committed tensor

@@ -367,3 +367,31 @@ async def test_a_failure_inside_vllms_load_is_never_served_and_the_worker_recove
         assert e.book.main.version == "step-3"
         for p in PROMPTS[:2]:
             assert (await greedy_on(e, p)).tokens == await hf_greedy_async(pushed, p)
+
+
+# ---- versions that name every token --------------------------------------------------------
+
+
+async def test_requests_frozen_by_pause_keep_across_a_push_name_the_old_and_the_new_weights(fleet, models):
+    """pause(keep) -> push -> resume: vLLM resumes the frozen requests on the new weights (its
+    load skips the drain under keep). Their replies say so: one span of the old (version, seq)
+    for the tokens decoded before the freeze, one of the new for the rest, vLLM's own labels."""
+    _, rl, engines = fleet
+    old = await rl.get_weight_version_info()
+    reference = [r.tokens for r in await asyncio.gather(*long_requests(rl, 2))]
+    tasks = long_requests(rl, 2)
+    await all_decoding(engines, tasks)
+
+    await rl.push_weights(named(models["base"]), version="spans-new", pause_mode="keep")
+    replies = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+    new = await rl.get_weight_version_info()
+    assert new.seq == old.seq + 1
+    for r, ref in zip(replies, reference):
+        spans = [(s.version, s.seq, s.start, s.end) for s in r.weight_versions]
+        assert len(r.tokens) == LONG_TOKENS and len(spans) == 2, spans
+        (v0, s0, a0, k), (v1, s1, k1, end) = spans
+        assert (v0, s0, a0) == (old.version, old.seq, 0) and (v1, s1) == (new.version, new.seq)
+        assert 0 < k == k1 < end == LONG_TOKENS, spans
+        assert (r.weight_version, r.weight_seq) == (old.version, old.seq), "the top-level version is the first token's"
+        assert r.tokens[:k] == ref[:k], "the tokens before the freeze are the old weights' own"

@@ -117,3 +117,50 @@ def test_no_project_modules_import_each_other_in_a_cycle():
     for m in sorted(GRAPH):
         if m not in state:
             visit(m)
+
+
+ENGINE_MODULES = sorted(
+    [
+        *(p for m, p in MODULES.items() if _in(m, "rlbus.services.worker.vllm")),
+        MODULES["rlbus.services.worker.engine"],
+        MODULES["rlbus.services.worker.reference_engine"],
+        ROOT / "bench" / "weightless.py",
+    ]
+)
+"""Where engines live: they run the model and read the worker's books, never write them."""
+
+BOOKKEEPING = {"weight_version", "weight_seq", "draft_version", "draft_seq", "dirty", "withheld", "epoch"}
+"""The worker's state fields: the books hold them (services/worker/book.py)."""
+
+
+def _book_writers() -> set[str]:
+    """The Book methods that change it (every public method but the `holds` check; reads are properties)."""
+    from rlbus.services.worker.book import Book
+
+    return {n for n, v in vars(Book).items() if callable(v) and not n.startswith("_") and n != "holds"}
+
+
+@pytest.mark.parametrize("path", ENGINE_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_engine_writes_the_workers_version_seq_or_dirty_state(path):
+    writers, bad = _book_writers(), []
+    assert {"commit", "relabel", "tear", "withhold"} <= writers
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        bad += [
+            f"line {t.lineno}: assigns .{t.attr}"
+            for t in targets
+            if isinstance(t, ast.Attribute) and t.attr in BOOKKEEPING
+        ]
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in writers
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr == "book"
+        ):
+            bad.append(f"line {node.lineno}: calls book.{node.func.attr}()")
+    assert not bad, f"{path.name} writes the worker's books: {bad}"

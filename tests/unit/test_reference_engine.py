@@ -9,6 +9,7 @@ import pytest
 import torch
 from rlbus.schemas import GenerateReply, GenerateRequest
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
+from rlbus.services.worker.book import Book
 from rlbus.services.worker.reference_engine import ReferenceEngine
 
 from rlbus.models.tinylm import ModelConfig
@@ -144,6 +145,25 @@ async def test_pause_keep_freezes_requests_and_resume_continues_them_with_identi
     results = await asyncio.gather(*tasks)
     assert [r.tokens for r in results] == reference
     assert all(r.finish_reason == "length" for r in results)
+
+
+async def test_a_relabel_while_requests_are_frozen_names_the_tokens_decoded_after_it(engine):
+    """The same bits under a new (version, seq): tokens unchanged, a second span from the resume on."""
+    book = Book()
+    engine.attach(book)
+    reference = await tokens_of(engine, LONG)
+    tasks = start(engine)
+    await running(engine)
+    await engine.pause("keep")
+    book.relabel("v2", 1)
+    await engine.resume()
+    for r, ref in zip(await asyncio.gather(*tasks), reference):
+        assert r.tokens == ref
+        spans = [(s.version, s.seq, s.start, s.end) for s in r.weight_versions]
+        assert len(spans) in (1, 2) and spans[-1][:2] == ("v2", 1) and spans[-1][3] == LONG, spans
+        assert (r.weight_version, r.weight_seq) == spans[0][:2]
+        if len(spans) == 2:
+            assert spans[0][:3] == ("default", 0, 0) and spans[0][3] == spans[1][2]
 
 
 async def test_pause_abort_ends_requests_frozen_by_keep(engine):

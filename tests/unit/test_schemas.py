@@ -96,6 +96,28 @@ def test_a_control_command_carries_no_worker_only_field():
     assert "check_only" not in s.UpdateWeights.__struct_fields__
 
 
+def test_a_reply_without_version_spans_still_decodes_and_a_reply_with_them_round_trips():
+    """weight_versions is a new field with a default: an older worker's reply decodes."""
+    old = s.generate_reply_decoder.decode(
+        b'{"kind":"generate_reply","worker_id":"w0","tokens":[1],"finish_reason":"length","weight_version":"v"}'
+    )
+    assert old.weight_versions == []
+    spans = [
+        s.WeightVersionSpan(version="v1", seq=1, start=0, end=3),
+        s.WeightVersionSpan(version="v2", seq=2, start=3, end=5),
+    ]
+    reply = s.GenerateReply(
+        worker_id="w0",
+        tokens=[1, 2, 3, 4, 5],
+        finish_reason="length",
+        weight_version="v1",
+        weight_seq=1,
+        weight_versions=spans,
+    )
+    assert s.generate_reply_decoder.decode(s.encode(reply)) == reply
+    assert b'"weight_versions":[{"version":"v1","seq":1,"start":0,"end":3}' in s.encode(reply)
+
+
 def test_replies_and_events_round_trip():
     state = s.WorkerState(worker_id="w0", paused=True, pause_mode="keep", sleeping_tags=["kv_cache"])
     caps = s.Capabilities(sleep_mode_enabled=True, weight_transfer_backend="shm")

@@ -1,4 +1,4 @@
-"""vLLM behind the Engine protocol (issue #16): the adapter (engine.py), the checkpoint it
+"""vLLM on the Engine base (issue #16): the adapter (engine.py), the checkpoint it
 checks updates against (checkpoint.py) and the transfer engine it registers with vLLM
 (plugin.py, transfer.py).
 

@@ -12,9 +12,12 @@ Generation, pause modes, sleep/wake and weight loading all go through vLLM's own
   safetensors file in shared memory;
 - the last committed weights are kept here as CPU tensors in checkpoint names
   (`parameters_of`). A load that fails inside vLLM kills vLLM's engine (EngineDeadError):
-  the worker marks itself dirty, refuses generation (UNAVAILABLE) and restarts vLLM from
-  those committed weights, so it never serves a half-updated model and comes back on the
-  version the fleet last committed.
+  the engine reports itself recovering (the worker leaves the generate queue), refuses
+  generation (UNAVAILABLE) and restarts vLLM from those committed weights, so it never
+  serves a half-updated model and comes back on the version the fleet last committed;
+- every reply names its tokens' weights: vLLM labels each step's tokens with the version it
+  was given (given inside each load, before a request frozen by pause(keep) resumes), and
+  the adapter maps those labels to (version, seq) spans.
 
 `import vllm` happens only here and in transfer.py, lazily: rlbus works without the extra.
 """
@@ -34,10 +37,11 @@ from typing import Any
 import anyio
 import msgspec
 import torch
-from rlbus.schemas import DEFAULT_VERSION, GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
+from rlbus.schemas import GenerateReply, GenerateRequest, PauseMode, SleepTag, UpdateTarget
 from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, Unavailable
 
-from ..engine import Engine, ParamSpec, check_generate_request
+from ..book import WeightLabel
+from ..engine import Engine, ParamSpec, TokenLabels, check_generate_request
 from . import checkpoint
 from .plugin import BACKEND
 
@@ -101,12 +105,15 @@ class _Part:
 
 
 class _Request:
-    __slots__ = ("started", "stamp")
+    __slots__ = ("started", "labels", "draft")
 
-    def __init__(self) -> None:
+    def __init__(self, label: WeightLabel, draft_version: str) -> None:
         self.started = False
-        self.stamp: tuple[str, int, str | None] = (DEFAULT_VERSION, 0, None)
-        """(weight_version, weight_seq, draft_version) when vLLM admitted the request."""
+        self.labels = [label]
+        """The labels vLLM was given while it held this request, in order (the first: at
+        submission): vLLM's spans name version strings, these give them their seqs."""
+        self.draft = draft_version
+        """The draft version at submission (a reply names it when the draft proposed tokens)."""
 
 
 class _NotStarted:
@@ -131,8 +138,9 @@ class VllmEngine(Engine):
         self.main = _Part(options.model)
         self.draft = _Part(options.draft_model) if options.draft_model else None
         self.llm: Any = _NotStarted()
-        self._vllm_version: str | None = None
-        """What vLLM's own get_weight_version() says (set lazily: see _sync_vllm_version)."""
+        self._vllm_label: WeightLabel | None = None
+        """The label vLLM was last given (its get_weight_version() says its version; None: not
+        yet, or restarted): see _sync_label."""
         self._restarting = False
         """vLLM failed a load and is restarting from the committed weights: nothing is served."""
         self.vocab_size = 0
@@ -184,7 +192,7 @@ class VllmEngine(Engine):
             llm.shutdown()
             raise FailedPrecondition("vLLM did not configure the draft model for speculative decoding")
         self.llm = llm
-        self._vllm_version = None
+        self._vllm_label = None
 
     async def close(self) -> None:
         if self._restart is not None:
@@ -244,8 +252,8 @@ class VllmEngine(Engine):
             self._check_request(request)
         self._refuse_if_unservable()
         await self._wait_until_open(lambda: self._loading)
-        await self._sync_vllm_version()
-        req = _Request()
+        await self._sync_label()
+        req = _Request(self._vllm_label or self.book.main, self.book.draft.version)
         self._requests.add(req)
         self._changes.notify()
         try:
@@ -253,9 +261,17 @@ class VllmEngine(Engine):
         finally:
             self._requests.discard(req)
             self._changes.notify()
-        version, seq, draft_version = req.stamp
         completion = out.outputs[0]
         tokens = list(completion.token_ids)[: request.max_tokens]
+        labels = TokenLabels(req.labels[0])
+        spans = getattr(completion, "weight_versions", None)  # vLLM labels every step's tokens
+        if spans:
+            i = 0
+            for span in spans:  # in order: each names the next label given with its version string
+                i = next((k for k in range(i, len(req.labels)) if req.labels[k].version == span.version), i)
+                labels.add(req.labels[i], span.end - span.start)
+        else:  # a vLLM without spans: the label it ran under when it was submitted
+            labels.add(req.labels[0], len(tokens))
         proposed = accepted = rounds = 0
         metrics = completion.spec_decode_metrics
         if metrics is not None:
@@ -271,9 +287,8 @@ class VllmEngine(Engine):
             worker_id="",
             tokens=tokens,
             finish_reason="abort" if completion.finish_reason == "abort" else "length",
-            weight_version=version,
-            weight_seq=seq,
-            draft_version=draft_version if rounds else None,
+            **labels.reply_fields(len(tokens)),
+            draft_version=req.draft if rounds else None,
             logprobs=logprobs,
             proposed=proposed,
             accepted=accepted,
@@ -298,12 +313,8 @@ class VllmEngine(Engine):
             async for out in self.llm.generate(
                 TokensPrompt(prompt_token_ids=list(request.prompt_tokens)), params, request_id=uuid.uuid4().hex
             ):
-                if not req.started:
-                    # vLLM admitted it (its first output): the weights serving it are the ones
-                    # held now. A request vLLM queued behind a pause (and a load) starts later.
+                if not req.started:  # vLLM admitted it (its first output): it decodes now
                     req.started = True
-                    main = self.book.main
-                    req.stamp = (main.version, main.seq, self.book.draft.version)
                     self._changes.notify()
                 final = out
         except EngineDeadError:
@@ -321,14 +332,21 @@ class VllmEngine(Engine):
         paused also those submitted and not admitted yet (a paused vLLM queues them)."""
         return len(self._requests) if not self._paused else self.decoding()
 
-    async def _sync_vllm_version(self) -> None:
-        """Keep vLLM's own weight version (get_weight_version) equal to rlbus's committed one.
-        The version is set by the worker right after load_weights returns, so it reaches
-        vLLM before the next request rather than inside the load."""
-        if self._vllm_version != self.book.main.version and not isinstance(self.llm, _NotStarted):
-            version = self.book.main.version
-            await self.llm.update_weight_version(version)
-            self._vllm_version = version
+    async def _sync_label(self) -> None:
+        """Give vLLM the books' main label before it runs anything under it: vLLM labels each
+        step's tokens with its version string (a reply's weight_versions spans) and
+        get_weight_version() reports it. Requests in flight record it, in order, to map
+        vLLM's spans back to (version, seq). Called before each new request, after each load
+        (before a frozen request resumes on the new weights) and before a resume. Two commits
+        that keep one version string are one span to vLLM: the reply names the first."""
+        label = self.book.main
+        if self._vllm_label == label or isinstance(self.llm, _NotStarted):
+            return
+        if self._vllm_label is None or self._vllm_label.version != label.version:
+            await self.llm.update_weight_version(label.version)
+        self._vllm_label = label
+        for r in self._requests:
+            r.labels.append(label)
 
     # ---- pause / resume ----------------------------------------------------------------
 
@@ -342,6 +360,7 @@ class VllmEngine(Engine):
 
     async def _on_resume(self) -> None:
         if not isinstance(self.llm, _NotStarted):
+            await self._sync_label()  # a relabel while paused: frozen requests go on under it
             await self.llm.resume_generation()
 
     # ---- sleep / wake ------------------------------------------------------------------
@@ -431,6 +450,11 @@ class VllmEngine(Engine):
                         f"nothing until vLLM has restarted from the last committed weights ({self.book.main.version})"
                     ) from None
                 loaded()  # new requests still wait (and frozen ones stay frozen): none ran on them yet
+                if target == "main":
+                    try:
+                        await self._sync_label()  # before a frozen request resumes on these weights
+                    except Exception as e:
+                        log.warning("could not give vLLM the new weight version: %s", e)
             finally:
                 self._loading = False
                 self._changes.notify()
@@ -474,7 +498,7 @@ class VllmEngine(Engine):
             try:
                 await self._launch(str(main), str(draft) if draft else None)
             except Exception:
-                # it stays dirty: status says so, generation is refused; restart the worker
+                # it stays recovering: status says so, generation is refused; restart the worker
                 log.exception("vLLM did not come back; this worker serves nothing until it is restarted")
                 return
             if self._paused:
