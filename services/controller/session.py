@@ -190,8 +190,8 @@ def step(state: SessionState, event: Event) -> Step:
             return _refuse(
                 state,
                 "FAILED_PRECONDITION",
-                f"session {state.session_id} is decided (seq {state.seq}): it commits; a worker that fails is "
-                "quarantined, nothing is aborted",
+                f"session {state.session_id} is decided (seq {state.seq}): it commits; a worker that "
+                "fails is quarantined, nothing is aborted",
             )
         case Decided(), _:
             return _refuse(

@@ -37,6 +37,7 @@ from rlbus.schemas import (
     StartWeightUpdate,
     StartWeightUpdateWorker,
     StatusWorker,
+    UpdateTarget,
     UpdateWeights,
     UpdateWeightsWorker,
     UpdateWeightVersion,
@@ -87,8 +88,9 @@ class Updates:
         """The open session KV records."""
         self.decision: CommitDecision | None = None
         """The last decided commit (KV holds it): its manifest, and whom it quarantined."""
-        self.quarantined: set[str] = set()
-        """Workers that failed or missed a decided commit: withheld until they hold the committed bits."""
+        self.quarantined: dict[str, UpdateTarget] = {}
+        """Workers that failed or missed a decided commit (of which target): withheld until they
+        hold the committed bits of it."""
         self.withhold: Callable[[list[str]], Awaitable[None]] = _nobody_withholds
         """Brings workers to the committed version (the service's SyncWorker): a worker that does not
         hold it stops serving generation."""
@@ -192,7 +194,7 @@ class Updates:
             seq = max(seq, d.seq)
         return seq + 1
 
-    def holds_committed(self, state: WorkerState, target: str = "main") -> bool:
+    def holds_committed(self, state: WorkerState, target: UpdateTarget = "main") -> bool:
         """The worker holds exactly the committed bits of `target` (version and seq)."""
         v = self.version
         if target == "draft":
@@ -202,12 +204,14 @@ class Updates:
     async def review(self, states: Iterable[WorkerState]) -> None:
         """Release every quarantined worker among `states` that now holds the committed bits
         (the trainer's next push reached it, or a repair did). Under the lock."""
-        target = self.decision.target if self.decision is not None else "main"
         released = sorted(
-            s.worker_id for s in states if s.worker_id in self.quarantined and self.holds_committed(s, target)
+            s.worker_id
+            for s in states
+            if s.worker_id in self.quarantined and self.holds_committed(s, self.quarantined[s.worker_id])
         )
         if released:
-            self.quarantined -= set(released)
+            for w in released:
+                del self.quarantined[w]
             await self._keep_quarantine()
             await self.fleet.event("worker_released", released, "holds the committed weights again")
 
@@ -222,7 +226,7 @@ class Updates:
         serving at once; one that did not answer (dead, frozen) withholds itself when it comes
         back (it was silent, or restarted, and is synced before it serves)."""
         missed = sorted(f.worker_id for f in failures)
-        self.quarantined |= set(missed)
+        self.quarantined.update(dict.fromkeys(missed, decision.target))
         alive = [f.worker_id for f in failures if f.code not in ("DEADLINE_EXCEEDED", "UNAVAILABLE")]
         if alive:
             await self.fleet.send(
@@ -249,7 +253,8 @@ class Updates:
         if decision is None:
             return
         self.decision = decision
-        self.quarantined = set(decision.quarantined)
+        # the store keeps who, not for which target: a takeover counts them against the last decision's
+        self.quarantined = dict.fromkeys(decision.quarantined, decision.target)
         if decision.published:
             return
         log.warning(
@@ -257,7 +262,7 @@ class Updates:
             decision.seq,
             decision.session_id,
         )
-        self.quarantined |= set(decision.workers)  # each is released once it shows it holds the bits
+        self.quarantined.update(dict.fromkeys(decision.workers, decision.target))  # released once each shows the bits
         await self._record(decision)
         if open_session == decision.session_id:
             await self.store.put_session(None)
@@ -275,9 +280,8 @@ class Updates:
         """Send the decided commit to a worker that missed it (under the lock)."""
         d = self.decision
         assert d is not None
-        out = await self.fleet.send(
-            stamped(CommitWorker, session_id=d.session_id, weight_version=d.weight_version, seq=d.seq), [worker_id]
-        )
+        commit = stamped(CommitWorker, session_id=d.session_id, weight_version=d.weight_version, seq=d.seq)
+        out = await self.fleet.send(commit, [worker_id])
         if out.failures:
             log.warning("worker %s could not take the decided commit seq %d: %s", worker_id, d.seq, out.failures)
         return out.acks.get(worker_id)
@@ -405,8 +409,9 @@ class Updates:
         moved = {w: g for w, g in moved.items() if group is not None and g != group}
         if moved:
             raise refuse(
-                f"workers {sorted(moved)} left transfer group {group!r} that this trainer built (another trainer's "
-                "init_weight_transfer since, or they restarted): no byte would reach them; call init_weight_transfer() again",
+                f"workers {sorted(moved)} left transfer group {group!r} that this trainer built (another "
+                "trainer's init_weight_transfer since, or they restarted): no byte would reach them; call "
+                "init_weight_transfer() again",
                 {w: f"in transfer group {g!r}" for w, g in moved.items()},
             )
         if target == "draft" and not registry.aggregate().supports_draft_weight_updates:
