@@ -163,6 +163,7 @@ def _serve_vllm(
     vllm_arg: tuple[str, ...],
     enable_sleep_mode: bool,
     metrics_port: int | None = None,
+    openai_port: int | None = None,
 ) -> None:
     """`rlbus worker --engine vllm`: start vLLM, serve it, shut vLLM down after the drain."""
     from rlbus.runners.serve import serve
@@ -182,6 +183,8 @@ def _serve_vllm(
 
         if torch.cuda.is_available():  # vLLM refuses sleep mode on CPU
             engine_args["enable_sleep_mode"] = True
+    if openai_port is not None:  # the OpenAI server renders chats and text: vLLM needs the folder's tokenizer
+        engine_args.setdefault("skip_tokenizer_init", False)
     vopts = VllmOptions(
         model=model, draft_model=draft_model, num_speculative_tokens=num_speculative_tokens, engine_args=engine_args
     )
@@ -190,7 +193,14 @@ def _serve_vllm(
     async def make(nc):
         engine = await VllmEngine.start(vopts)
         started.append(engine)
-        return _metered(WorkerService(nc, engine, opts), metrics_port)
+        svc = _metered(WorkerService(nc, engine, opts), metrics_port)
+        if openai_port is None:
+            return svc
+        from rlbus.services.worker.vllm.openai import OpenAIServer, WithOpenAI, withheld_reason
+
+        return WithOpenAI(
+            svc, OpenAIServer(engine, withheld_reason(svc), port=openai_port, drain_timeout_s=opts.drain_timeout_s)
+        )
 
     async def run() -> None:
         try:
@@ -508,6 +518,13 @@ def controller(
 @click.option("--heartbeat", default=1.0, show_default=True, help="Heartbeat interval, seconds.")
 @vllm_options
 @metrics_option
+@click.option(
+    "--openai-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="--engine vllm: also serve vLLM's OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
+    "/v1/models) on this port, on the same engine (paused, slept and updated with the fleet).",
+)
 @click.option("-v", "--verbose", is_flag=True)
 def worker(
     nats_url: str | None,
@@ -536,6 +553,7 @@ def worker(
     draft_model: str | None = None,
     vllm_arg: tuple[str, ...] = (),
     metrics_port: int | None = None,
+    openai_port: int | None = None,
 ) -> None:
     """Run a worker service hosting the reference engine, or vLLM (--engine vllm --model DIR)."""
     import os
@@ -577,9 +595,20 @@ def worker(
 
     if engine_kind == "vllm":
         _serve_vllm(
-            nats_url, wid, opts, model, draft_model, num_speculative_tokens, vllm_arg, enable_sleep_mode, metrics_port
+            nats_url,
+            wid,
+            opts,
+            model,
+            draft_model,
+            num_speculative_tokens,
+            vllm_arg,
+            enable_sleep_mode,
+            metrics_port,
+            openai_port,
         )
         return
+    if openai_port is not None:
+        raise click.UsageError("--openai-port serves vLLM's OpenAI server: it needs --engine vllm")
 
     # built before connecting: a big model's init holds the loop long enough for the server to drop the connection
     engine = ReferenceEngine(

@@ -25,12 +25,13 @@ Generation, pause modes, sleep/wake and weight loading all go through vLLM's own
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -250,17 +251,8 @@ class VllmEngine(Engine):
     async def generate(self, request: GenerateRequest) -> GenerateReply:
         if self.vocab_size:
             self._check_request(request)
-        self._refuse_if_unservable()
-        await self._wait_until_open(lambda: self._loading)
-        await self._sync_label()
-        req = _Request(self._vllm_label or self.book.main, self.book.draft.version)
-        self._requests.add(req)
-        self._changes.notify()
-        try:
+        async with self.admitted() as req:
             out = await self._run(request, req)
-        finally:
-            self._requests.discard(req)
-            self._changes.notify()
         completion = out.outputs[0]
         tokens = list(completion.token_ids)[: request.max_tokens]
         labels = TokenLabels(req.labels[0])
@@ -295,6 +287,30 @@ class VllmEngine(Engine):
             mean_accepted_length=accepted / rounds if rounds else 0.0,
         )
 
+    @contextlib.asynccontextmanager
+    async def admitted(self) -> AsyncIterator[_Request]:
+        """rlbus's gate in front of vLLM, for rl.generate and the OpenAI server (openai.py) alike:
+        refused where nothing may be served, held while paused or loading, then counted in
+        flight until it ends (a load waits for it, so no reply mixes two weight versions)."""
+        self._refuse_if_unservable()
+        await self._wait_until_open(lambda: self._loading)  # new requests wait for resume in every pause mode
+        await self._sync_label()
+        req = _Request(self._vllm_label or self.book.main, self.book.draft.version)
+        self._requests.add(req)
+        self._changes.notify()
+        try:
+            yield req
+        finally:
+            self._requests.discard(req)
+            self._changes.notify()
+
+    def started(self, req: _Request) -> None:
+        """vLLM produced the request's first output (it decodes now; a request vLLM queued behind
+        a pause, and a load, starts later)."""
+        if not req.started:
+            req.started = True
+            self._changes.notify()
+
     async def _run(self, request: GenerateRequest, req: _Request) -> Any:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -313,9 +329,7 @@ class VllmEngine(Engine):
             async for out in self.llm.generate(
                 TokensPrompt(prompt_token_ids=list(request.prompt_tokens)), params, request_id=uuid.uuid4().hex
             ):
-                if not req.started:  # vLLM admitted it (its first output): it decodes now
-                    req.started = True
-                    self._changes.notify()
+                self.started(req)  # a request vLLM queued behind a pause (and a load) starts later
                 final = out
         except EngineDeadError:
             raise Unavailable("vLLM's engine died on this worker; retry on another worker") from None
