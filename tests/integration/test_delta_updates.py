@@ -16,6 +16,7 @@ import rlbus
 from rlbus.models.tinylm import ModelConfig, TinyLM
 from rlbus.transfer.buckets import as_bytes
 from rlbus.transfer.checksum import checksum
+from tests.waiting import eventually
 from tests.fleet import fleet_running, nccl_worker, start_fleet
 from tests.weights_helpers import new_version, settled  # noqa: F401 - the autouse fixture around every test
 
@@ -262,7 +263,7 @@ async def test_draft_deltas_work(fleet):
     assert len(seqs) == 1 and seqs.pop() == (await rl.get_weight_version_info()).draft_seq
 
 
-async def test_a_late_joiner_refuses_the_delta_and_the_fleet_ends_consistent(nats_server, prefix):
+async def test_a_late_joiner_is_repaired_onto_the_base_and_the_next_delta_reaches_the_whole_fleet(nats_server, prefix):
     from rlbus.services.worker.reference_engine import ReferenceEngine
     from rlbus.services.worker.service import WorkerOptions
 
@@ -273,14 +274,19 @@ async def test_a_late_joiner_refuses_the_delta_and_the_fleet_ends_consistent(nat
             m.step()
             named, _ = await _push(rl, m)
         assert rl.last_push.delta
-        await f.start_worker(
+        late = await f.start_worker(
             ReferenceEngine(BF16),
             WorkerOptions(worker_id="w9", subjects=rl.subjects, weight_transfer_backend="gloo", heartbeat_s=0.25),
         )
         await f.wait_for_workers(["w0", "w9"])
+        committed = f.controller.version
+        # a healthy peer (w0) repairs it onto exactly the committed bits: the delta's base
+        await eventually(lambda: late.state().weight_seq == committed.seq and not late.state().withheld,
+                         timeout=30, what="w9 repaired")
+        assert_fleet_holds(f, named)
         m.step()
         named, st = await _push(rl, m)
-        assert not st.delta and st.fallback is not None and "w9" in st.fallback
+        assert st.delta and st.fallback is None, st
         assert_fleet_holds(f, named)
         m.step()
         named, st = await _push(rl, m)

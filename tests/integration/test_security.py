@@ -262,6 +262,9 @@ async def _denied(nc, subject: str) -> None:
 
 async def test_a_worker_identity_cannot_evict_another_worker(secure, fleet, trainer):
     server, creds = secure
+    # the sync tests before this one block the module's loop for seconds (subprocess.run): the
+    # in-process workers missed heartbeats and rejoin now; wait for the whole fleet first
+    await fleet.wait_for_workers(WORKERS)
     subjects = Subjects(prefix=PREFIX)
     nc = await connect(server.url, name="rogue-w0", auth=_auth(creds["worker-w0"]))
     try:
@@ -283,6 +286,9 @@ async def test_a_worker_identity_cannot_evict_another_worker(secure, fleet, trai
 
 async def test_a_worker_identity_cannot_hear_or_answer_another_workers_commands(secure, fleet, trainer):
     server, creds = secure
+    # the sync tests before this one block the module's loop for seconds (subprocess.run): the
+    # in-process workers missed heartbeats and rejoin now; wait for the whole fleet first
+    await fleet.wait_for_workers(WORKERS)
     subjects = Subjects(prefix=PREFIX)
     nc = await connect(server.url, name="rogue-w0", auth=_auth(creds["worker-w0"]))
     forged = encode(WorkerAck(state=WorkerState(worker_id="w1", paused=True, weight_version="FORGED")))
