@@ -266,8 +266,6 @@ class WeightPush:
 
         from rlbus.sdk.snapshot import host_copy
         from rlbus.transfer import delta as D
-        from rlbus.transfer.buckets import as_bytes
-        from rlbus.transfer.checksum import checksum
 
         pending, st = self.pending, self.stats
         assert pending is not None
@@ -288,8 +286,8 @@ class WeightPush:
                 return None
             t = named[k][1]
             host = t if t.device.type == "cpu" else t.cpu()
-            changed, d = D.diff(host, old)
-            return changed, d, checksum(as_bytes(host)) if changed and d is not None else ""
+            # the result's checksum is taken in the compare's pass, the last commit's delta written in it
+            return D.diff_checked(host, old, base.unapplied.pop(named[k][0], None) if base is not None else None)
 
         threads = max(1, min(self.encode_threads, sum(o is not None for o in olds)))
         if threads > 1:

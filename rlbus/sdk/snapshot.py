@@ -6,6 +6,12 @@ a delta's positions and values, or a copy of a tensor sent dense) and the snapsh
 only when finish commits, so an aborted or failed push leaves it at the last commit: the
 next delta is still taken against bits every worker holds (and a worker that does not hold
 them refuses it, by its commit sequence).
+
+A committed delta is not written onto the snapshot at the commit (that would be a pass of
+scattered writes over the model, on the caller's time) but kept beside its tensor
+(`Committed.unapplied`) and written by the next compare of that tensor, a slice at a time
+just before the compare reads it (`rlbus.transfer.delta.diff_checked(..., under=...)`):
+the tensor plus its unapplied delta are the committed bits.
 """
 
 from __future__ import annotations
@@ -23,10 +29,23 @@ class Committed:
 
     seq: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> its bits as of `seq`, once its entry of `unapplied` (if any) is written onto it."""
+    unapplied: dict[str, delta.Delta] = field(default_factory=dict)
+    """name -> the committed delta not yet written onto `tensors[name]`; whoever takes it out
+    (the next compare) writes it."""
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + sum(
+            d.blob.numel() for d in self.unapplied.values()
+        )
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The committed bits of `name`, its unapplied delta written first."""
+        d = self.unapplied.pop(name, None)
+        if d is not None:
+            d.apply_to(self.tensors[name])
+        return self.tensors[name]
 
 
 @dataclass
@@ -53,7 +72,11 @@ class Pending:
         if self.base_seq is None or before is None or before.seq != self.base_seq:
             return Committed(seq=seq, tensors=dict(self.dense))
         for name, d in self.deltas.items():
-            d.apply_to(before.tensors[name])
+            if name in before.unapplied:  # not compared since the last commit: cannot be, but keep its bits
+                before.tensor(name)
+            before.unapplied[name] = d
+        for name in self.dense:
+            before.unapplied.pop(name, None)
         before.tensors.update(self.dense)
         before.seq = seq
         return before

@@ -11,6 +11,7 @@ from rlbus.schemas import BucketMeta, ParamMeta
 from rlbus.transfer import delta as D
 from rlbus.transfer.base import PlanError
 from rlbus.transfer.buckets import unpack, validate
+from rlbus.transfer.checksum import checksum
 
 
 def _planned(d: D.Delta, offset: int = 0) -> ParamMeta:
@@ -192,3 +193,122 @@ def test_write_refuses_a_bitmap_whose_count_is_wrong_before_writing():
     with pytest.raises(D.DeltaError):
         D.write(out, blob, _planned(d))
     assert _same_bits(out, base)
+
+
+# --- the host scan: 8-byte words a slice at a time, the result's checksum in the same pass --------------------
+
+
+def _changed(base: torch.Tensor, where: list[int]) -> torch.Tensor:
+    new = base.clone()
+    flat = D.bits(new)
+    flat[where] = flat[where] ^ 1  # one bit: the smallest change there is
+    return new
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Slices of 8 words and lanes split every 4 changed words: a small tensor crosses many of both."""
+    monkeypatch.setattr(D, "SCAN_WORDS", 8)
+    monkeypatch.setattr(D, "LANE_BATCH", 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.int64])
+def test_changes_on_either_side_of_every_slice_boundary_are_found_with_the_checksum(small_slices, dtype):
+    per_word = 8 // dtype.itemsize
+    numel = 8 * per_word * 7  # seven slices of 8 words
+    base = torch.arange(numel).to(dtype)
+    edges = sorted({e for s in range(0, numel, 8 * per_word) for e in (s - 1, s, s + per_word - 1) if 0 <= e < numel})
+    new = _changed(base, edges)
+    k, d, digest = D.diff_checked(new, base)
+    assert k == len(edges) and d is not None and d.index == "int32"
+    assert d.blob[: 4 * k].view(torch.int32).tolist() == edges
+    assert digest == checksum(D.bits(new).view(torch.uint8))
+    assert _same_bits(_round_trip(new, base), new)
+    assert D.diff(new, base)[1].blob.equal(d.blob)
+
+
+def test_nothing_changed_gives_an_empty_delta_and_no_checksum(small_slices):
+    base = torch.randn(1000).to(torch.bfloat16)
+    k, d, digest = D.diff_checked(base.clone(), base)
+    assert (k, digest) == (0, "") and d is not None and d.changed == 0 and d.blob.numel() == 0
+
+
+def test_everything_changed_goes_dense_without_a_checksum(small_slices):
+    base = torch.randn(1000).to(torch.bfloat16)
+    k, d, digest = D.diff_checked(base + 1, base)
+    assert (k, d, digest) == (1000, None, "")
+
+
+@pytest.mark.parametrize("dtype, every", [(torch.float32, 2), (torch.bfloat16, 3)])
+def test_many_changed_gives_a_bitmap_with_the_checksum(small_slices, dtype, every):
+    base = torch.zeros(4096, dtype=dtype)
+    new = base.clone()
+    new[::every] = 1  # float32 1/2: int32 indices cost as much as dense; bf16 2/3: past what the scan lists
+    new[1::every] = 1 if every == 3 else 0
+    k, d, digest = D.diff_checked(new, base)
+    assert k == D.changed_positions(new, base).numel() and d is not None and d.index == "bitmap"
+    assert digest == checksum(D.bits(new).view(torch.uint8))
+    assert _same_bits(_round_trip(new, base), new)
+
+
+def test_bytes_that_are_not_whole_words_still_get_the_checksum():
+    base = torch.randn(3, 5).to(torch.float16)  # 30 bytes
+    new = base.clone()
+    new[2, 4] += 1
+    k, d, digest = D.diff_checked(new, base)
+    assert k == 1 and d is not None and digest == checksum(new.reshape(-1).view(torch.uint8))
+
+
+# --- the last commit's delta, written onto the base by the next compare ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("second", ["few", "none", "all"])
+def test_a_delta_under_the_base_is_written_slice_by_slice_before_the_compare(small_slices, dtype, second):
+    g = torch.Generator().manual_seed(7)
+    v0 = torch.randn(2000, generator=g).to(dtype)
+    v1 = _changed(v0, [0, 5, 63, 64, 65, 700, 1999])  # the commit the snapshot has not taken yet
+    v2 = {"few": _changed(v1, [3, 64, 1500]), "none": v1.clone(), "all": v1 + 1}[second]
+    under = D.encode(v1, v0)
+    assert under is not None and under.index == "int32"
+    snapshot = v0.clone()
+    k, d, digest = D.diff_checked(v2, snapshot, under)
+    assert _same_bits(snapshot, v1)  # it holds the commit, however the compare went
+    want_k, want = D.diff(v2, v1)
+    assert k == want_k and (d is None) == (want is None)
+    if d is not None:
+        assert d.blob.equal(want.blob)
+        assert digest == (checksum(D.bits(v2).view(torch.uint8)) if k else "")
+
+
+def test_a_delta_under_a_base_of_odd_bytes_is_written_first():
+    v0 = torch.randn(3, 5).to(torch.float16)
+    v1 = _changed(v0, [2])
+    under = D.encode(v1, v0)
+    assert under is not None
+    snapshot = v0.clone()
+    k, _, _ = D.diff_checked(_changed(v1, [9]), snapshot, under)
+    assert k == 1 and _same_bits(snapshot, v1)
+
+
+def test_a_base_that_does_not_match_still_takes_the_delta_handed_over():
+    v0 = torch.randn(64).to(torch.bfloat16)
+    under = D.encode(_changed(v0, [1]), v0)
+    snapshot = v0.clone()
+    with pytest.raises(PlanError):
+        D.diff_checked(torch.zeros(32, dtype=torch.bfloat16), snapshot, under)
+    assert _same_bits(snapshot, _changed(v0, [1]))
+
+
+def test_write_refuses_int32_indices_out_of_order_before_writing():
+    base = torch.randn(5000).to(torch.bfloat16)
+    new = _changed(base, [10, 20, 4000])
+    d = D.encode(new, base)
+    assert d is not None and d.index == "int32"
+    for corrupt in ([20, 10, 4000], [10, 20, 5000], [-3, 20, 4000], [10, 10, 4000]):
+        blob = d.blob.clone()
+        blob[:12].view(torch.int32).copy_(torch.tensor(corrupt, dtype=torch.int32))
+        out = base.clone()
+        with pytest.raises(D.DeltaError):
+            D.write(out, blob, _planned(d))
+        assert _same_bits(out, base)

@@ -29,7 +29,7 @@ def test_a_committed_delta_session_brings_the_snapshot_to_the_new_bits():
     pending.dense["b"] = new["b"].clone()
     after = pending.commit(base, 4)
     assert after.seq == 4
-    assert all(torch.equal(D.bits(after.tensors[n]), D.bits(new[n])) for n in new)
+    assert all(torch.equal(D.bits(after.tensor(n)), D.bits(new[n])) for n in new)
 
 
 def test_a_dense_session_or_another_base_replaces_the_snapshot_with_what_it_sent():
@@ -48,3 +48,41 @@ def test_what_a_session_holds_until_its_commit_is_its_encoded_deltas():
     assert d is not None
     pending = Pending(base_seq=1, deltas={"a": d})
     assert pending.nbytes == d.blob.numel() == 10 * 4 + 10 * 2
+
+
+def test_a_commit_keeps_the_delta_beside_the_snapshot_until_the_next_compare_writes_it():
+    v0 = _tensors()
+    base = Committed(seq=3, tensors={n: t.clone() for n, t in v0.items()})
+    v1 = {n: t.clone() for n, t in v0.items()}
+    v1["a"].view(-1)[[7, 900]] += 1
+    _, d = D.diff(v1["a"], base.tensors["a"])
+    after = Pending(base_seq=3, deltas={"a": d}).commit(base, 4)
+    assert after.unapplied == {"a": d} and torch.equal(
+        D.bits(after.tensors["a"]), D.bits(v0["a"])
+    )  # no pass at the commit
+    assert after.nbytes == sum(t.numel() * 2 for t in v0.values()) + d.blob.numel()
+    v2 = v1["a"].clone()
+    v2.view(-1)[5] += 1
+    k, d2, _ = D.diff_checked(v2, after.tensors["a"], after.unapplied.pop("a"))
+    assert k == 1 and d2 is not None  # against the committed bits, not the stale ones
+    assert torch.equal(D.bits(after.tensors["a"]), D.bits(v1["a"]))
+
+
+def test_the_committed_bits_of_a_tensor_are_its_snapshot_with_its_unapplied_delta():
+    v0 = _tensors()["a"]
+    v1 = v0.clone()
+    v1.view(-1)[3] += 1
+    _, d = D.diff(v1, v0)
+    snap = Committed(seq=1, tensors={"a": v0.clone()}, unapplied={"a": d})
+    assert torch.equal(D.bits(snap.tensor("a")), D.bits(v1)) and not snap.unapplied
+
+
+def test_a_tensor_sent_dense_drops_its_unapplied_delta():
+    v0 = _tensors()["a"]
+    v1 = v0.clone()
+    v1.view(-1)[3] += 1
+    _, d = D.diff(v1, v0)
+    snap = Committed(seq=1, tensors={"a": v0.clone()}, unapplied={"a": d})
+    whole = torch.zeros_like(v0)
+    after = Pending(base_seq=1, dense={"a": whole}).commit(snap, 2)
+    assert not after.unapplied and after.tensor("a") is whole
