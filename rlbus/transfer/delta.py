@@ -229,7 +229,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
         upos, uval = under.parts()
         ubound = np.searchsorted(upos, np.arange(0, wa.size + SCAN_WORDS, SCAN_WORDS, dtype=np.int64) * lanes).tolist()
     else:
-        upos = uval = None
+        upos = uval = None  # type: ignore[assignment]
         ubound = []
     written = 0  # under's entries written onto b so far
 
@@ -239,7 +239,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
         nonlocal held
         w, na = np.concatenate(words), np.concatenate(new)
         x = np.concatenate(flips)
-        words.clear(), new.clear(), flips.clear()
+        words.clear(), new.clear(), flips.clear()  # type: ignore[func-returns-value]
         held = 0
         if lanes == 1:
             found.positions.append(w.astype(np.int32))
@@ -258,7 +258,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
             ca, cb = wa[s : s + SCAN_WORDS], wb[s : s + SCAN_WORDS]
             if upos is not None and ubound[c + 1] > ubound[c]:
                 lo, hi = ubound[c], ubound[c + 1]
-                eb[upos[lo:hi]] = uval[lo:hi]
+                eb[upos[lo:hi]] = uval[lo:hi]  # type: ignore[index]
                 written = hi
             m = mask[: ca.size]
             np.not_equal(ca, cb, out=m)
@@ -286,7 +286,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
             split()
     finally:
         if upos is not None and written < upos.size:  # stopped early: the rest of the commit's delta
-            eb[upos[written:]] = uval[written:]
+            eb[upos[written:]] = uval[written:]  # type: ignore[index]
     if lanes == 1:
         found.changed = total
     return None if found.changed > limit else found
@@ -380,10 +380,10 @@ def _element_positions(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(found)) if found else torch.empty(0, dtype=torch.int64)
     parts = []
     for s in range(0, a.numel(), _CHUNK):
-        hit = torch.nonzero(a[s : s + _CHUNK] != b[s : s + _CHUNK]).squeeze(1)
-        if hit.numel():
+        hit = torch.nonzero(a[s : s + _CHUNK] != b[s : s + _CHUNK]).squeeze(1)  # type: ignore[assignment]
+        if hit.numel():  # type: ignore[attr-defined]
             parts.append(hit + s)
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=a.device)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=a.device)  # type: ignore[arg-type]
 
 
 def _pair(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,8 +519,8 @@ def write(out: torch.Tensor, blob: torch.Tensor, m: ParamMeta) -> None:
         raise DeltaError(f"delta of {m.name!r} is applied onto a contiguous tensor of its shape")
     numel = out.numel()
     if m.index == "int32":  # numpy, on the int32 indices as they came: no int64 copy of them
-        where = blob[: m.index_nbytes].numpy().view(np.int32)
-        if int(where[0]) < 0 or int(where[-1]) >= numel or not _ascending(where):
+        where = blob[: m.index_nbytes].numpy().view(np.int32)  # type: ignore[assignment]
+        if int(where[0]) < 0 or int(where[-1]) >= numel or not _ascending(where):  # type: ignore[arg-type]
             raise DeltaError(f"delta of {m.name!r}: indices are not ascending within 0..{numel - 1}")
         lane_t = _UINT[out.element_size()]
         bits(out).numpy().view(lane_t)[where] = blob[m.values_offset :].numpy().view(lane_t)

@@ -98,7 +98,7 @@ class _Group:
         timeout = timedelta(seconds=init.timeout_s)
         try:
             if self.backend == "gloo":
-                opts = dist.ProcessGroupGloo._Options()
+                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 opts._timeout = timeout
                 dev = (
                     dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
@@ -117,15 +117,15 @@ class _Group:
                 opts._timeout = timeout
                 opts.is_high_priority_stream = False
                 _name(opts, init)
-                pg = dist.ProcessGroupNCCL(store, rank, init.world_size, opts)
+                pg = dist.ProcessGroupNCCL(store, rank, init.world_size, opts)  # type: ignore[assignment]
                 # NCCL forms its communicator lazily; one tiny broadcast forms it now.
                 probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                _WorkHandle(pg.broadcast([probe], _root0()), init, "forming the nccl group").wait()
+                _WorkHandle(pg.broadcast([probe], _root0()), init, "forming the nccl group").wait()  # type: ignore[attr-defined]
         except TransferError:
             raise
         except Exception as e:
             raise timeout_error(init, f"rank {rank} joining ({self.backend})", e) from e
-        self._pg = pg
+        self._pg = pg  # type: ignore[assignment]
         self._init = init
 
     def _broadcast(
@@ -166,7 +166,7 @@ class _Group:
         if busy:
             threading.Thread(target=_destroy, args=(box, self.backend), name="rlbus-close-group", daemon=True).start()
         else:
-            _destroy(box, self.backend)
+            _destroy(box, self.backend)  # type: ignore[arg-type]
 
 
 def _destroy(box: list[object], backend: TorchBackend) -> None:
@@ -259,4 +259,4 @@ class TorchDistWorker(_Group):
         if self.backend == "gloo":
             return self._broadcast(buf, what)
         staging = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
-        return self._broadcast(staging, what, keep=staging, after=lambda: buf.copy_(staging))
+        return self._broadcast(staging, what, keep=staging, after=lambda: buf.copy_(staging))  # type: ignore[arg-type]

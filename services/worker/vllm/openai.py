@@ -232,7 +232,7 @@ class OpenAIServer:
         args = vllm_server_args(self.engine, self.host, self.port)
         tasks = await self.client.get_supported_tasks()
         app = build_app(args, tasks, self.client.model_config)
-        await init_app_state(self.client, app.state, args, tasks)
+        await init_app_state(self.client, app.state, args, tasks)  # type: ignore[arg-type]
         config = uvicorn.Config(
             _Stamp(app),
             lifespan="off",
