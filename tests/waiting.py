@@ -8,6 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from rlbus.schemas import FleetEvent, event_decoder
+
 T = TypeVar("T")
 
 
@@ -31,3 +33,18 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout:g}s: {what or predicate!r} (last value: {last!r})")
         await asyncio.sleep(interval)
+
+
+class FleetEvents:
+    """rl.events.* as they arrive (subscribe with `cb=events.on`)."""
+
+    def __init__(self) -> None:
+        self.seen: list[FleetEvent] = []
+
+    async def on(self, msg) -> None:
+        ev = event_decoder.decode(msg.data)
+        if isinstance(ev, FleetEvent):
+            self.seen.append(ev)
+
+    def of(self, kind: str, worker: str) -> list[FleetEvent]:
+        return [e for e in self.seen if e.event == kind and worker in e.workers]

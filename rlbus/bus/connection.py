@@ -8,6 +8,7 @@ import os
 import re
 import ssl
 import time
+import weakref
 from collections.abc import Callable
 
 import anyio
@@ -123,12 +124,16 @@ class _Watch:
             self.denials._watchers.pop(self.subject, None)
 
 
+_DENIALS: weakref.WeakKeyDictionary[Client, Denials] = weakref.WeakKeyDictionary()
+"""rlbus's own record per connection (nothing is patched onto the library's client); an entry
+goes with its connection."""
+
+
 def denials_of(nc: Client) -> Denials:
     """The Denials record of a connection made by `connect` (an empty one otherwise)."""
-    d = getattr(nc, "_rlbus_denials", None)
+    d = _DENIALS.get(nc)
     if d is None:
-        d = Denials()
-        nc._rlbus_denials = d  # type: ignore[attr-defined]
+        d = _DENIALS[nc] = Denials()
     return d
 
 
@@ -209,7 +214,7 @@ async def connect(
         raise PermissionError(f"{name}: NATS at {url} refused the credentials (Authorization Violation)")
     nc = result[0]
     connected = True
-    nc._rlbus_denials = denials  # type: ignore[attr-defined]
+    _DENIALS[nc] = denials
     return nc
 
 

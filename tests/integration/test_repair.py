@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlbus.schemas import FleetEvent, event_decoder
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 from tests.fleet import fleet_running
-from tests.waiting import eventually
+from tests.waiting import FleetEvents, eventually
 from tests.weights_helpers import MODEL, assert_holds, new_version, trained
 
 WORKERS = ("r0", "r1")
@@ -27,21 +26,6 @@ async def fleet(nats_server, prefix):
         nats_server.url, prefix + "repair", WORKERS, weight_transfer_backend="gloo", model=MODEL
     ) as f:
         yield f
-
-
-class Events:
-    """rl.events.* as they arrive."""
-
-    def __init__(self) -> None:
-        self.seen: list[FleetEvent] = []
-
-    async def on(self, msg) -> None:
-        ev = event_decoder.decode(msg.data)
-        if isinstance(ev, FleetEvent):
-            self.seen.append(ev)
-
-    def of(self, kind: str, worker: str) -> list[FleetEvent]:
-        return [e for e in self.seen if e.event == kind and worker in e.workers]
 
 
 async def start_worker(f, wid: str, seed: int = 0):
@@ -60,7 +44,7 @@ async def test_a_new_worker_serves_the_committed_version_without_a_push(fleet):
     named = trained(11)
     version = new_version("repair")
     await rl.push_weights(named, version)
-    events = Events()
+    events = FleetEvents()
     sub = await rl.nc.subscribe(f.controller.subjects.event("worker_repaired"), cb=events.on)
     try:
         await start_worker(f, "r-new", seed=99)
@@ -104,7 +88,7 @@ async def test_a_peer_whose_bits_differ_is_never_a_source(fleet):
     first = next(iter(live))
     with torch.no_grad():
         live[first].view(-1)[0] += 1.0  # r1 now serves other bits than r0
-    events = Events()
+    events = FleetEvents()
     sub = await rl.nc.subscribe(f.controller.subjects.event("repair_failed"), cb=events.on)
     try:
         await start_worker(f, "r-new", seed=98)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import anyio
 import msgspec
 import pytest
-from rlbus.schemas import FleetEvent, Subjects, event_decoder
+from rlbus.schemas import Subjects
 from rlbus.services.controller.repair import RepairOptions
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
@@ -23,7 +23,7 @@ from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
 from rlbus.sdk.client import RLClient
 from tests.fleet import worker_command
-from tests.waiting import eventually
+from tests.waiting import FleetEvents, eventually
 from tests.weights_helpers import MODEL, assert_holds, new_version, trained
 
 PROC = "a-proc"
@@ -61,19 +61,6 @@ async def fleet(nats_server, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient
         await f.close()
 
 
-class Events:
-    def __init__(self) -> None:
-        self.seen: list[FleetEvent] = []
-
-    async def on(self, msg) -> None:
-        ev = event_decoder.decode(msg.data)
-        if isinstance(ev, FleetEvent):
-            self.seen.append(ev)
-
-    def of(self, kind: str, worker: str) -> list[FleetEvent]:
-        return [e for e in self.seen if e.event == kind and worker in e.workers]
-
-
 async def _new_worker(f: LocalFleet, subjects: Subjects, wid: str, seed: int):
     return await f.start_worker(
         ReferenceEngine(msgspec.structs.replace(MODEL, seed=seed)),
@@ -85,7 +72,7 @@ async def test_a_peer_killed_while_it_sends_a_repair_is_replaced_by_another(flee
     f, rl, proc, subjects = fleet
     named = trained(51)
     await rl.push_weights(named, new_version("rp"))
-    events = Events()
+    events = FleetEvents()
     subs = [await rl.nc.subscribe(subjects.event(k), cb=events.on) for k in ("worker_repaired", "repair_failed")]
 
     async def kill_the_sender(msg) -> None:
