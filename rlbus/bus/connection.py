@@ -80,11 +80,19 @@ class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
         return kw
 
 
+REPLY_INBOX = "_inbox."
+"""How reply subjects begin (nats-py's `_INBOX`, rlbus's per-role `_INBOX.<prefix>-<role>`,
+the nats CLI's), lower-cased as nats-py reports denials."""
+
+
 class Denials:
     """Permission violations the server reported on one connection.
 
     nats-py tells only its error callback; rlbus turns each into an error on the call that
-    caused it (`watch(subject)`), or, for a service, into a fatal stop (`on_denied`).
+    caused it (`watch(subject)`), or, for a service, into a fatal stop (`on_denied`) —
+    except a denied reply (to a reply inbox): it concerns only the one who asked, typically a
+    discovery request (`$SRV.PING` to all) from a role that may not hear every answer, and is
+    logged; the requester times out. Whatever a service publishes on its own stays fatal.
     """
 
     def __init__(self) -> None:
@@ -97,6 +105,13 @@ class Denials:
         self.seen.append((action, subject))
         for ev in self._watchers.get(subject, []):
             ev.set()
+        if action == "publish" and subject.startswith(REPLY_INBOX):
+            log.warning(
+                "NATS denied a reply to %s (a discovery request to every service, say): that requester "
+                "may not hear from this service; carrying on",
+                subject,
+            )
+            return
         if self.on_denied is not None:
             self.on_denied(action, subject)
 

@@ -20,6 +20,16 @@ from rlbus.schemas import Subjects, check_token
 ROLES = ("trainer", "controller", "observer")
 """The shared roles; every worker has an identity of its own (`worker-<id>`)."""
 
+WORKER_SERVICES = 2
+"""Micro services a worker hosts on its one connection (`rlbus-worker`, and `rlbus-generate`
+while it takes traffic): each answers a discovery request sent to all services."""
+
+WORKER_RESPONSES = 2 * WORKER_SERVICES - 1
+"""A worker's `allow_responses` max. nats-server (2.15.1, measured) counts against it every
+reply to a request and every delivery of that request to another of the connection's
+subscriptions: a `$SRV.PING` to all reaches both services, so 2 deliveries and 2 replies
+take 3. A command to the worker takes 1."""
+
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True):
     cert: str
@@ -103,7 +113,9 @@ def permissions(identity: str, subjects: Subjects) -> dict[str, object]:
                     subjects.version,
                 ]
             },
-            "allow_responses": True,  # one reply to each command it receives
+            # one reply to each command it receives; one from each micro service it hosts to a
+            # discovery request ($SRV.PING|INFO|STATS to all)
+            "allow_responses": {"max": WORKER_RESPONSES},
         }
     raise ValueError(f"unknown identity {identity!r}; roles are {ROLES} and worker-<id>")
 
@@ -116,7 +128,15 @@ def permission_matrix(prefix: str = "rl") -> str:
         p = permissions(identity, subjects)
         pub = ", ".join(f"`{x}`" for x in p["publish"]["allow"])  # type: ignore[index]
         subs = ", ".join(f"`{x}`" for x in p["subscribe"]["allow"])  # type: ignore[index]
-        replies = " (+ one reply to each request it receives)" if p.get("allow_responses") else ""
+        responses = p.get("allow_responses")
+        most = responses.get("max", 1) if isinstance(responses, dict) else 1
+        replies = (
+            ""
+            if not responses
+            else " (+ one reply to each request it receives)"
+            if most == 1
+            else f" (+ a reply to each request it receives from each of its {WORKER_SERVICES} micro services)"
+        )
         rows.append(f"| {identity} | {pub}{replies} | {subs} |".replace("ID", "<id>"))
     return "\n".join(rows)
 

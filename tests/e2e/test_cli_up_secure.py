@@ -80,6 +80,31 @@ def test_pause_with_the_worker_credentials_is_permission_denied(up):
     assert cells[0] == "worker-0" and cells[2] == "no", row  # the denied pause changed nothing
 
 
+@pytest.mark.parametrize("role", ["trainer", "observer"])
+def test_discovery_with_a_roles_credentials_is_answered_by_every_service_and_stops_none(up, role):
+    import anyio
+
+    from rlbus.bus.connection import NatsAuth, connect, drain
+    from tests.integration.test_security import discovery_replies
+
+    env = read_env_file(up.trainer_env.parent / f"{role}.env")
+    auth = NatsAuth(user=env["RLBUS_NATS_USER"], password=env["RLBUS_NATS_PASSWORD"], inbox=env["RLBUS_NATS_INBOX"])
+
+    async def discover() -> list[list[dict]]:
+        nc = await connect(up.url, name=f"discovery-{role}", auth=auth)
+        try:  # what `nats micro ls` and `nats micro stats` send: one request to every service
+            return [await discovery_replies(nc, f"$SRV.{verb}", want=3) for verb in ("PING", "INFO", "STATS")]
+        finally:
+            await drain(nc)
+
+    for replies in anyio.run(discover):
+        assert sorted(r["name"] for r in replies) == ["rlbus-controller", "rlbus-generate", "rlbus-worker"], replies
+    status = _rlbus("status", "--nats-url", up.url, env=_env(**read_env_file(up.trainer_env)))
+    assert status.returncode == 0 and "worker-0" in status.stdout, status.stderr + up.log()
+    assert up.proc.poll() is None, up.log()
+    assert "Stopping" not in up.log() and "exited" not in up.log().lower(), up.log()
+
+
 def test_sigterm_stops_secure_up_with_exit_0(up):
     # keep last: this stops the module's fleet
     assert up.proc.poll() is None, up.log()

@@ -16,8 +16,8 @@ import rlbus
 from rlbus.models.tinylm import ModelConfig, TinyLM
 from rlbus.transfer.buckets import as_bytes
 from rlbus.transfer.checksum import checksum
-from tests.waiting import eventually
 from tests.fleet import fleet_running, nccl_worker, start_fleet
+from tests.waiting import eventually
 from tests.weights_helpers import new_version, settled  # noqa: F401 - the autouse fixture around every test
 
 BF16 = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, seed=0, dtype="bfloat16")
@@ -281,8 +281,11 @@ async def test_a_late_joiner_is_repaired_onto_the_base_and_the_next_delta_reache
         await f.wait_for_workers(["w0", "w9"])
         committed = f.controller.version
         # a healthy peer (w0) repairs it onto exactly the committed bits: the delta's base
-        await eventually(lambda: late.state().weight_seq == committed.seq and not late.state().withheld,
-                         timeout=30, what="w9 repaired")
+        await eventually(
+            lambda: late.state().weight_seq == committed.seq and not late.state().withheld,
+            timeout=30,
+            what="w9 repaired",
+        )
         assert_fleet_holds(f, named)
         m.step()
         named, st = await _push(rl, m)

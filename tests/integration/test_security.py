@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -362,3 +363,98 @@ async def test_a_reader_cannot_make_the_server_publish_on_rl_version(secure, fle
     committed = (await trainer.server_info()).weight_version
     async with await RLClient.connect(server.url, prefix=PREFIX, timeout=30.0, auth=_auth(creds["observer"])) as obs:
         assert await first_watched_version(obs) == committed  # watching needs no consumer
+
+
+# ---- discovery: every role that may use it is answered by each service, and stops none ---------
+
+
+async def discovery_replies(nc, subject: str, want: int, timeout: float = 10.0) -> list[dict]:
+    """Send one discovery request and collect replies until `want` came (or the timeout: then
+    what came, for the assert to show)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(subject, b"", reply=inbox)
+    replies: list[dict] = []
+    try:
+        while len(replies) < want:
+            replies.append(json.loads((await sub.next_msg(timeout=timeout)).data))
+    except Exception:
+        pass
+    finally:
+        await sub.unsubscribe()
+    return replies
+
+
+@pytest.mark.parametrize("role", ["trainer", "observer"])
+@pytest.mark.parametrize("verb", ["PING", "INFO", "STATS"])
+async def test_discovery_from_a_role_is_answered_by_every_service_and_denies_nothing(secure, fleet, role, verb):
+    server, creds = secure
+    before = {wid: len(denials_of(w.nc).seen) for wid, w in fleet.workers.items()}
+    nc = await connect(server.url, name=f"discovery-{role}", auth=_auth(creds[role]))
+    try:
+        want = 1 + 2 * len(WORKERS)
+
+        async def every_service() -> list[dict] | None:  # a worker withheld (rejoining) serves no generation yet
+            replies = await discovery_replies(nc, f"$SRV.{verb}", want=want, timeout=2)
+            return replies if len(replies) == want else None
+
+        replies = await eventually(every_service, timeout=30, what="every service answering")
+        assert not denials_of(nc).seen
+    finally:
+        await drain(nc)
+    names = sorted(r["name"] for r in replies)
+    assert names == sorted(["rlbus-controller", *["rlbus-worker", "rlbus-generate"] * len(WORKERS)]), names
+    for wid, worker in fleet.workers.items():
+        denied = [d for d in denials_of(worker.nc).seen[before[wid] :] if d[0] == "publish"]
+        assert not denied, f"{wid}: a reply to discovery was denied"
+    assert fleet.all_running()
+
+
+async def test_a_denied_reply_to_a_discovery_request_does_not_stop_a_worker(tmp_path):
+    """A worker under a config that lets it answer each request only once (as rlbus's did): its
+    second service's reply to a discovery request is denied, and the worker keeps running."""
+    import anyio
+
+    from tests.fleet import worker_command
+
+    paths = write_config(tmp_path / "conf", prefix=PREFIX, workers=["w9"])
+    text = paths["config"].read_text()
+    assert '"max": 3' in text
+    paths["config"].write_text(re.sub(r'"allow_responses": \{\s*"max": 3\s*\}', '"allow_responses": true', text))
+    assert '"max": 3' not in paths["config"].read_text()
+    log = tmp_path / "worker.log"
+    # starting processes and opening a log file return at once: nothing here waits on them
+    with NatsServer(config_file=paths["config"]) as server, open(log, "w") as err:  # noqa: ASYNC230
+        controller = subprocess.Popen(  # noqa: ASYNC220
+            [sys.executable, "-m", "rlbus", "controller", "--nats-url", server.url],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=_clean_env(**read_env_file(paths["controller"])),
+        )
+        proc = subprocess.Popen(  # noqa: ASYNC220
+            worker_command(server.url, PREFIX, "w9", "gloo", MODEL),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=_clean_env(**read_env_file(paths["worker-w9"])),
+        )
+        nc = await connect(server.url, name="discovery", auth=_auth(read_env_file(paths["trainer"])))
+        try:
+            await eventually(
+                lambda: proc.poll() is not None or discovery_replies(nc, "$SRV.PING.rlbus-generate", 1, timeout=1),
+                timeout=60,
+                what="the worker serving generation (both its services up)",
+            )
+            assert proc.poll() is None, log.read_text()[-3000:]
+            await discovery_replies(nc, "$SRV.PING", 2, timeout=2)  # its second reply is denied
+            await eventually(
+                lambda: "carrying on" in log.read_text() or proc.poll() is not None,
+                timeout=20,
+                what="the denial reported",
+            )
+            assert await discovery_replies(nc, "$SRV.PING.rlbus-worker", 1), "the worker still answers"
+            assert proc.poll() is None and "Stopping" not in log.read_text(), log.read_text()[-3000:]
+        finally:
+            await drain(nc)
+            for p in (proc, controller):
+                p.terminate()
+                await anyio.to_thread.run_sync(p.wait, 20)

@@ -390,7 +390,12 @@ async def test_a_seeded_run_of_pushes_and_faults_keeps_the_fleet_in_step(fleet, 
     )
     assert done == Counter(SCHEDULE), "every scheduled fault ran"
     assert len(committed) == (
-        SCHEDULE["clean"] + SCHEDULE["kill"] + SCHEDULE["freeze"] + SCHEDULE["controller"] + kills["committed"] + closing
+        SCHEDULE["clean"]
+        + SCHEDULE["kill"]
+        + SCHEDULE["freeze"]
+        + SCHEDULE["controller"]
+        + kills["committed"]
+        + closing
     )
     assert sum(failures.values()) == (
         SCHEDULE["corrupt"] + SCHEDULE["slow"] + SCHEDULE["kill"] + SCHEDULE["controller"] - kills["between"]
