@@ -14,6 +14,7 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 from rlbus.models.tinylm import ModelConfig
+from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
 from rlbus.sdk.client import RLClient
 
@@ -97,6 +98,16 @@ def worker_command(
         "--seed",
         str(model.seed),
     ]
+
+
+def controller_process(url: str, prefix: str, *flags: str) -> subprocess.Popen:
+    """`rlbus controller` as a real process (given `flags` too), its output discarded."""
+    return spawn(
+        [sys.executable, "-m", "rlbus", "controller", "--nats-url", url, "--prefix", prefix, *flags],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @contextmanager

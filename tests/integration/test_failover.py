@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import anyio
@@ -20,9 +19,9 @@ from rlbus.schemas import Subjects
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
-from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
 from rlbus.sdk.client import RLClient
+from tests.fleet import controller_process
 from tests.looplag import LoopLag
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
@@ -33,26 +32,8 @@ CALLS = 6
 
 
 def _controller(url: str, prefix: str) -> subprocess.Popen:
-    return spawn(
-        [
-            sys.executable,
-            "-m",
-            "rlbus",
-            "controller",
-            "--nats-url",
-            url,
-            "--prefix",
-            prefix,
-            "--lease",
-            str(LEASE_S),
-            "--liveness-timeout",
-            "1.5",
-            "--command-timeout",
-            "5",
-        ],
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    return controller_process(
+        url, prefix, "--lease", str(LEASE_S), "--liveness-timeout", "1.5", "--command-timeout", "5"
     )
 
 

@@ -15,7 +15,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator
 
@@ -29,10 +28,9 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
-from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
 from rlbus.sdk.client import RLClient
-from tests.fleet import worker_command
+from tests.fleet import controller_process, worker_command
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
 from tests.weights_helpers import MAX_TOKENS, MODEL, PROMPTS, VersionEvents, assert_holds, greedy, new_version, trained
@@ -205,26 +203,8 @@ async def _released(rl: RLClient) -> bool:
 
 
 def _controller(url: str, prefix: str) -> subprocess.Popen:
-    return spawn(
-        [
-            sys.executable,
-            "-m",
-            "rlbus",
-            "controller",
-            "--nats-url",
-            url,
-            "--prefix",
-            prefix,
-            "--lease",
-            "1",
-            "--liveness-timeout",
-            str(LIVENESS_S),
-            "--command-timeout",
-            str(COMMAND_TIMEOUT_S),
-        ],
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    return controller_process(
+        url, prefix, "--lease", "1", "--liveness-timeout", str(LIVENESS_S), "--command-timeout", str(COMMAND_TIMEOUT_S)
     )
 
 

@@ -4,10 +4,8 @@ handover (no responders) with the same id."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import uuid
 
 import anyio
@@ -29,9 +27,8 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
 import rlbus
-from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
-from tests.fleet import fleet_running
+from tests.fleet import controller_process, fleet_running
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, VersionEvents, new_version
 
@@ -135,27 +132,7 @@ KILL_ROUNDS = 5
 
 
 def _controller_process(url: str, prefix: str) -> subprocess.Popen:
-    return spawn(
-        [
-            sys.executable,
-            "-m",
-            "rlbus",
-            "controller",
-            "--nats-url",
-            url,
-            "--prefix",
-            prefix,
-            "--lease",
-            "0.5",
-            "--liveness-timeout",
-            "1.5",
-            "--command-timeout",
-            "5",
-        ],
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    return controller_process(url, prefix, "--lease", "0.5", "--liveness-timeout", "1.5", "--command-timeout", "5")
 
 
 @pytest.fixture

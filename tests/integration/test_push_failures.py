@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -27,6 +26,7 @@ import rlbus
 from rlbus.runners.children import spawn
 from rlbus.runners.local import LocalFleet
 from rlbus.sdk.client import PUSH_SLACK_S, RLClient
+from tests.fleet import controller_process as spawn_controller
 from tests.fleet import worker_command
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, new_version, trained
@@ -180,27 +180,7 @@ async def test_a_failed_push_leaves_a_fleet_it_found_paused_paused(settled):
 
 
 def _controller(url: str, prefix: str) -> subprocess.Popen:
-    return spawn(
-        [
-            sys.executable,
-            "-m",
-            "rlbus",
-            "controller",
-            "--nats-url",
-            url,
-            "--prefix",
-            prefix,
-            "--lease",
-            "1",
-            "--liveness-timeout",
-            "1.5",
-            "--command-timeout",
-            "10",
-        ],
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    return spawn_controller(url, prefix, "--lease", "1", "--liveness-timeout", "1.5", "--command-timeout", "10")
 
 
 @pytest.fixture
