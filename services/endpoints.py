@@ -41,6 +41,8 @@ log = logging.getLogger("rlbus.services")
 C = TypeVar("C", bound=Message)
 
 Handler = Callable[[Any], Awaitable[object]]
+Gate = Callable[["Route[Any]", Any], Awaitable[None]]
+"""Runs before a command reaches the reply cache; raises an RLBusError to refuse it."""
 
 REPLY_MARGIN_S = 0.2
 """A command with a deadline is answered this long before it, so the answer reaches the caller."""
@@ -235,14 +237,23 @@ class Endpoints:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    async def serve(self, group: Group, routes: Routes, wrap: Callable[[Handler], Handler] | None = None) -> None:
-        """One micro endpoint per route in `group`; `wrap` may put a check (fencing) around each handler."""
+    async def serve(
+        self,
+        group: Group,
+        routes: Routes,
+        wrap: Callable[[Handler], Handler] | None = None,
+        gate: Gate | None = None,
+    ) -> None:
+        """One micro endpoint per route in `group`; `wrap` may put code around each handler.
+        `gate` runs before a command touches the reply cache (fencing: a controller that does
+        not lead refuses without recording an answer under the command's id, so the leader's
+        answer to the same id is the one that stands)."""
         for route in routes:
             reply = getattr(route.kind, "reply", WorkerAck)  # control commands declare theirs
             await group.add_endpoint(
                 name=route.op,
                 subject=route.op,
-                handler=self._endpoint(routes, route, wrap),
+                handler=self._endpoint(routes, route, wrap, gate),
                 metadata={
                     "request": route.op,
                     "reply": reply.__struct_config__.tag,
@@ -251,7 +262,7 @@ class Endpoints:
             )
 
     def _endpoint(
-        self, routes: Routes, route: Route[Any], wrap: Callable[[Handler], Handler] | None
+        self, routes: Routes, route: Route[Any], wrap: Callable[[Handler], Handler] | None, gate: Gate | None = None
     ) -> Callable[[Request], Awaitable[None]]:
         """Decodes, runs the handler (inline, or as a task the service owns) and replies."""
         handler = wrap(route.handler) if wrap is not None else route.handler
@@ -267,10 +278,16 @@ class Endpoints:
                 # raised, not answered: the micro service answers it and counts it in num_errors
                 raise ServiceError(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}") from None
             print_ = fingerprint(op, req.data)
+
+            def work() -> Awaitable[bytes]:
+                if gate is not None:
+                    return self._gated(gate, route, handler, cmd, print_)
+                return self._answer(route, handler, cmd, print_)
+
             if route.runs_inline(cmd) and cmd.command_id not in self.replies:  # type: ignore[attr-defined]
-                await self._reply(req, lambda: self._answer(route, handler, cmd, print_), counted=False)
+                await self._reply(req, work, counted=False)
             else:
-                self.spawn(req, lambda: self._answer(route, handler, cmd, print_))
+                self.spawn(req, work)
 
         return on_request
 
@@ -298,6 +315,13 @@ class Endpoints:
         self._in_flight += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._tg.start_soon(self._reply, req, work)
+
+    async def _gated(self, gate: Gate, route: Route[Any], handler: Handler, cmd: Any, print_: str) -> bytes:
+        try:
+            await gate(route, cmd)
+        except RLBusError as e:  # refused before the reply cache: nothing is recorded under the id
+            return encode(e.to_nack())
+        return await self._answer(route, handler, cmd, print_)
 
     async def _answer(self, route: Route[Any], handler: Handler, cmd: Any, print_: str) -> bytes:
         async def work() -> bytes:

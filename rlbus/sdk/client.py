@@ -187,7 +187,9 @@ class RLClient:
         delay = 0.05
         while True:
             left = t - (time.monotonic() - start)
-            wait = min(left, self.attempt_s) if resend else left
+            # at least three attempts fit in a call: one lost to a leader that went silent
+            # leaves time for the resend that reaches its successor
+            wait = min(left, self.attempt_s, t / 3) if resend else left
             try:
                 msg = await request(self.nc, subject, payload, wait)
                 break

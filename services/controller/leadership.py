@@ -58,6 +58,7 @@ class Lease:
 
     async def try_acquire(self) -> LeaseRecord | None:
         """Take the lease if free or lapsed; None on success, else the current holder."""
+        sent = time.monotonic()
         held, rev = await self._read()
         if (
             held is not None
@@ -73,6 +74,7 @@ class Lease:
         except Exception as e:  # lost a race for it
             log.debug("lease race lost: %s", e)
             return (await self._read())[0] or LeaseRecord("unknown", time.time())
+        self._settled = (sent, None)
         return None
 
     async def acquire(self, on_standby=None) -> None:
@@ -147,6 +149,12 @@ class Lease:
                 return
             await self._renew()
 
+    def fresh(self) -> bool:
+        """Whether this controller's own clock proves it still leads: its last renewal was
+        confirmed and was sent less than a lease ago (no standby can have taken it since)."""
+        sent, error = self._settled
+        return error is None and time.monotonic() - sent < self.lease_s
+
     async def keep(self) -> None:
         """Renew every lease/4 until cancelled; raises LeaseLost."""
         while True:
@@ -160,7 +168,9 @@ class Lease:
 
     async def reclaim(self) -> None:
         """Write this leader's record into a recreated bucket (the state store was lost)."""
+        sent = time.monotonic()
         self._revision = await self.store.create(KEY, self._record())
+        self._settled = (sent, None)
 
     async def release(self) -> None:
         held, rev = await self._read()

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -58,7 +58,7 @@ from rlbus.schemas import (
     refuse,
 )
 from rlbus.schemas.codec import DecodeError
-from rlbus.services.endpoints import Endpoints, NotRunning, Routes
+from rlbus.services.endpoints import Endpoints, Gate, NotRunning, Route, Routes
 from rlbus.services.metrics import ControllerMetrics, MetricsServer
 
 from . import session as S
@@ -228,10 +228,12 @@ class ControllerService:
                 description="rlbus fleet controller",
                 metadata={"controller_id": self.id, "epoch": str(self.epoch)},
             )
-            group = self._micro.add_group(name=self.subjects.control_group)
+            # a queue group of this controller's own: a leader frozen or cut off behind a server
+            # that has not noticed yet (default pings: minutes) keeps its subscription, and in a
+            # shared group it would take every other call; here each call reaches the new leader too
+            group = self._micro.add_group(name=self.subjects.control_group, queue_group=f"rlbus-controller-{self.id}")
             routes = self._routes()
-            leading = self._leading(lease, {r.handler for r in routes if not r.read})
-            await eps.serve(group, routes, wrap=lambda handler: self._measured(leading(handler)))
+            await eps.serve(group, routes, wrap=self._measured, gate=self._leading(lease))
             subs = [
                 await self.nc.subscribe(
                     f"{self.subjects.control_group}.*",
@@ -263,21 +265,17 @@ class ControllerService:
                         await lease.release()  # a standby takes over at once
             tg.cancel_scope.cancel()
 
-    def _leading(self, lease: Lease, writes: set[Callable[..., Awaitable[object]]]):
-        """Around every state-changing handler: renew the lease first (a compare-and-set in the
-        state store). Without quorum (nodes down, a partition) the command is UNAVAILABLE before
-        anything is dispatched; with the lease taken, this controller steps down."""
+    def _leading(self, lease: Lease) -> Gate:
+        """Before every command, and before its id reaches the reply cache: a state-changing
+        command renews the lease first (a compare-and-set in the state store); a read goes
+        through while the last renewal proves the lease (no round trip), else renews too.
+        Without quorum (nodes down, a partition) the command is UNAVAILABLE before anything
+        is dispatched; with the lease taken, this controller steps down. A leader that wakes
+        from a freeze, or one cut off, never answers with state a successor has moved on from,
+        and never records a refusal under an id its successor answers."""
 
-        def wrap(handler):
-            if handler not in writes:
-
-                async def reading(cmd):
-                    self.updates.leases.touch(cmd.trainer_id)  # any command of the push lease's holder renews it
-                    return await handler(cmd)
-
-                return reading
-
-            async def leading(cmd):
+        async def gate(route: Route[Any], cmd: Any) -> None:
+            if not route.read or not lease.fresh():
                 try:
                     await lease.confirm()
                 except LeaseLost as e:
@@ -285,12 +283,9 @@ class ControllerService:
                     raise Unavailable(
                         f"controller {self.id} no longer leads ({e}); the leader answers a retry"
                     ) from None
-                self.updates.leases.touch(cmd.trainer_id)
-                return await handler(cmd)
+            self.updates.leases.touch(cmd.trainer_id)  # any command of the push lease's holder renews it
 
-            return leading
-
-        return wrap
+        return gate
 
     def _measured(self, handler):
         """Around every handler: its answer time, and the weight bytes an update announced."""
