@@ -231,7 +231,10 @@ class Repairs:
         self.problem = problem
 
     async def _manifest(self, target: UpdateTarget, holders: list[str]) -> list[TensorChecksum]:
-        """What every healthy holder serves; refused unless they all agree."""
+        """What every healthy holder serves, refused unless they all agree and agree with the
+        manifest kept with the decided commit. A delta commit's decision names its tensors'
+        checksums; a dense one's holds its buckets' only, so the first repair after it keeps
+        the agreed tensor checksums with the decision (the lock is held: no commit races it)."""
         out = await self.fleet.send(stamped(HashWeightsWorker, target=target), holders)
         out.raise_for_failures("repair (hashing the committed weights)")
         sums = {w: tuple((c.name, c.checksum) for c in a.tensor_checksums) for w, a in out.answers.items()}
@@ -240,7 +243,21 @@ class Repairs:
                 f"the healthy workers {sorted(sums)} do not serve the same {target} bits; "
                 "nothing is repaired from them (push weights, or run verify_weights)"
             )
-        return next(iter(out.answers.values())).tensor_checksums
+        agreed = next(iter(out.answers.values())).tensor_checksums
+        decision = self.updates.decision
+        if decision is None or decision.target != target or decision.seq != self._committed(target)[1]:
+            return agreed  # decided before decisions were kept, or the other target's: the holders' word
+        kept = {c.name: c.checksum for c in decision.tensor_checksums}
+        differ = [c.name for c in agreed if c.name in kept and kept[c.name] != c.checksum]
+        if differ:
+            raise Unavailable(
+                f"the healthy workers serve {target} bits other than the decided commit's manifest "
+                f"({', '.join(differ[:5])}); nothing is repaired from them (push weights, or run verify_weights)"
+            )
+        if set(kept) != {c.name for c in agreed}:
+            self.updates.decision = msgspec.structs.replace(decision, tensor_checksums=list(agreed))
+            await self.updates.store.put_decision(self.updates.decision)
+        return agreed
 
     async def _repair(
         self, source: str, holders: list[str], receivers: list[str], target: UpdateTarget, backend: Backend

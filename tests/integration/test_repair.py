@@ -103,6 +103,86 @@ async def test_a_peer_whose_bits_differ_is_never_a_source(fleet):
         await f.stop(f.workers.pop("r-new"))
 
 
+class _CorruptsOneBucket:
+    """A repair source's transport that flips one byte of the first bucket it sends, after the
+    bucket's checksum was taken: what a bad link or bad memory on the wire does."""
+
+    def __init__(self, tx) -> None:
+        self._tx = tx
+        self._sent: list[torch.Tensor] = []
+
+    def send(self, buf: torch.Tensor):
+        if not _CorruptsOneBucket.done:
+            _CorruptsOneBucket.done = True
+            buf = buf.clone()  # the source's own bits stay intact: only the copy on the wire is bad
+            buf.view(torch.uint8)[buf.numel() // 2] ^= 0x10
+            self._sent.append(buf)
+        return self._tx.send(buf)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tx, name)
+
+    done = False
+
+
+async def test_a_byte_corrupted_in_transit_aborts_the_repair_and_is_never_served(fleet, monkeypatch):
+    from rlbus.services.worker import repair
+
+    f, rl = fleet
+    named = trained(15)
+    await rl.push_weights(named, new_version("repair"))
+    real = repair.trainer_transfer
+    _CorruptsOneBucket.done = False
+    monkeypatch.setattr(repair, "trainer_transfer", lambda backend: _CorruptsOneBucket(real(backend)))
+    failed, repaired = FleetEvents(), FleetEvents()
+    subs = [
+        await rl.nc.subscribe(f.controller.subjects.event("repair_failed"), cb=failed.on),
+        await rl.nc.subscribe(f.controller.subjects.event("worker_repaired"), cb=repaired.on),
+    ]
+    try:
+        await start_worker(f, "r-bad", seed=97)
+        await eventually(lambda: failed.of("repair_failed", "r-bad"), timeout=30, what="the corrupted repair aborted")
+        assert _CorruptsOneBucket.done
+        assert "checksum" in failed.of("repair_failed", "r-bad")[0].detail, failed.of("repair_failed", "r-bad")
+        assert f.workers["r-bad"].state().withheld, "never served after a bad byte"
+        assert not repaired.of("worker_repaired", "r-bad")
+        # the retry (the next peer, or the same after its backoff) sends clean bytes
+        await eventually(lambda: repaired.of("worker_repaired", "r-bad"), timeout=30, what="r-bad repaired")
+        await eventually(lambda: _serving(f, "r-bad"), timeout=10, what="r-bad serving")
+        assert_holds(f, "r-bad", named)
+        assert (await rl.verify_weights(named)).ok
+        kept = await f.controller.updates.store.decision()  # the manifest is kept with the decided commit now
+        assert kept is not None and {c.name for c in kept.tensor_checksums} == {n for n, _ in named}
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await f.stop(f.workers.pop("r-bad"))
+
+
+async def test_holders_that_disagree_with_the_decided_manifest_are_never_a_source(fleet):
+    import msgspec
+    from rlbus.schemas import TensorChecksum
+
+    f, rl = fleet
+    named = trained(16)
+    await rl.push_weights(named, new_version("repair"))
+    updates = f.controller.updates
+    first = sorted(n for n, _ in named)[0]
+    wrong = [TensorChecksum(name=first, checksum="0" * 32)]  # what the commit decided is not what they serve
+    updates.decision = msgspec.structs.replace(updates.decision, tensor_checksums=wrong)
+    events = FleetEvents()
+    sub = await rl.nc.subscribe(f.controller.subjects.event("repair_failed"), cb=events.on)
+    try:
+        await start_worker(f, "r-new", seed=96)
+        await eventually(lambda: events.of("repair_failed", "r-new"), timeout=30, what="repair refused")
+        assert "decided commit's manifest" in events.of("repair_failed", "r-new")[0].detail
+        assert f.workers["r-new"].state().withheld  # never served
+    finally:
+        await sub.unsubscribe()
+        await f.stop(f.workers.pop("r-new"))
+    await rl.push_weights(named, new_version("repair"))  # a new decision for the rest of the module
+
+
 async def test_server_info_names_no_repair_when_the_fleet_is_current(fleet):
     _, rl = fleet
     info = await rl.server_info()
