@@ -10,7 +10,9 @@ It is vLLM's app (build_app + init_app_state), served by uvicorn inside the work
   and counts in flight (a load waits for it, a pause drains it, a drain waits for it);
 - a middleware stamps every response with the weights that produced it: `x-rlbus-weight-version`
   and `x-rlbus-weight-seq` (held when the request passed the gate), and, when the weights changed
-  while it ran, `x-rlbus-weight-spans` (vLLM's own per-token WeightVersionSpan, with rlbus's seq).
+  while it ran, `x-rlbus-weight-spans` (vLLM's own per-token WeightVersionSpan, with rlbus's seq);
+  a stream, whose headers leave before its tokens, gets its spans as an SSE comment before
+  `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -52,9 +54,16 @@ class _Served:
             return []
         out = [(VERSION_HEADER.encode(), self.stamp[0].encode()), (SEQ_HEADER.encode(), str(self.stamp[1]).encode())]
         if self.spans:
-            body = json.dumps(sorted(self.spans, key=lambda s: s["index"]), separators=(",", ":"))
-            out.append((SPANS_HEADER.encode(), body.encode()))
+            out.append((SPANS_HEADER.encode(), self._spans_json()))
         return out
+
+    def _spans_json(self) -> bytes:
+        return json.dumps(sorted(self.spans, key=lambda s: s["index"]), separators=(",", ":")).encode()
+
+    def spans_comment(self) -> bytes:
+        """A stream's headers leave before its tokens: its spans come last, as an SSE comment
+        (`: x-rlbus-weight-spans [...]`) just before `data: [DONE]`; clients skip comments."""
+        return b": " + SPANS_HEADER.encode() + b" " + self._spans_json() + b"\n\n"
 
 
 _served: ContextVar[_Served | None] = ContextVar("rlbus_openai_served", default=None)
@@ -154,15 +163,24 @@ class _Stamp:
         token = _served.set(served)
         start: dict[str, Any] | None = None
 
+        streaming = False
+
         async def stamped(message: dict[str, Any]) -> None:
-            nonlocal start
+            nonlocal start, streaming
             if message["type"] == "http.response.start":
                 start = message
+                streaming = any(
+                    k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in message["headers"]
+                )
                 return
             if start is not None and message["type"] == "http.response.body":
                 start = {**start, "headers": [*start.get("headers", []), *served.headers()]}
                 await send(start)
                 start = None
+            if streaming and message["type"] == "http.response.body" and served.spans:
+                body = message.get("body", b"")
+                if body.startswith(b"data: [DONE]"):  # the stream's end: its spans, as an SSE comment
+                    message = {**message, "body": served.spans_comment() + body}
             await send(message)
 
         try:
