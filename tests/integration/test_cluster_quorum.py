@@ -51,6 +51,17 @@ async def _has_leader(nc, stream: str) -> bool:
     return info.cluster is not None and info.cluster.leader is not None
 
 
+async def _takes_writes(nc, bucket: str) -> bool:
+    """The state stream acknowledges a write (an elected leader may still answer 503 while its
+    replicas catch up: "JetStream system temporarily unavailable")."""
+    try:
+        kv = await nc.jetstream(timeout=1.0).key_value(bucket)
+        await kv.put("probe-quorum", b"1")
+    except Exception:
+        return False
+    return True
+
+
 def _no_quorum(e: rlbus.RLBusError) -> bool:
     return e.code == "UNAVAILABLE" and "no quorum" in e.message and "state store" in e.message
 
@@ -110,6 +121,12 @@ async def test_without_quorum_nothing_changes_and_the_fleet_recovers_with_its_ve
             timeout=30,
             interval=0.1,
             what="the state stream elected a leader again",
+        )
+        await eventually(
+            lambda: _takes_writes(f.controller.nc, rl.subjects.kv_bucket),
+            timeout=30,
+            interval=0.1,
+            what="the state stream takes writes again",
         )
         info = await rl.get_weight_version_info()
         assert (info.version, info.seq) == (v1, seq), "the version survived the quorum loss"
