@@ -10,6 +10,7 @@ import ssl
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import msgspec
@@ -270,6 +271,26 @@ async def drain(nc: Client, timeout: float = 5.0) -> None:
         await nc.close()
     except Exception as e:
         log.debug("close failed: %s", e)
+
+
+async def stop_service(svc: Any, timeout: float = 2.0) -> None:
+    """Stop a nats.micro service, also on a link that is down (a process thawed from a freeze,
+    NATS away). micro's stop() unsubscribes the endpoints, then drains the discovery
+    subscriptions with a round trip that fails on a dead link, and would leave them registered:
+    the client would subscribe them again on reconnect and `$SRV` would list a service that
+    takes nothing. What stop() left is dropped from the client here. Never raises."""
+    try:
+        with anyio.fail_after(timeout):
+            await svc.stop()
+        return
+    except Exception as e:  # flush timeout, connection closed or reconnecting
+        log.debug("stopping service %s on a dead link (%s); dropping its subscriptions", svc.info().name, e)
+    subs = [*svc._subscriptions.values(), *(ep._subscription for ep in svc._endpoints if ep._subscription)]
+    for sub in subs:  # nats.micro keeps no other handle on them
+        svc._client._remove_sub(sub._id)
+    svc._subscriptions = {}
+    svc._endpoints = []
+    svc._stopped.set()
 
 
 async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> Msg:

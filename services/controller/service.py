@@ -61,6 +61,8 @@ from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, Gate, NotRunning, Route, Routes
 from rlbus.services.metrics import ControllerMetrics, MetricsServer
 
+from rlbus.bus.connection import stop_service
+
 from . import session as S
 from .fanout import Outcome
 from .fleet import Fleet, stamped
@@ -257,7 +259,7 @@ class ControllerService:
                 with anyio.move_on_after(2):  # unsubscribing needs a live connection
                     for sub in subs:
                         await sub.unsubscribe()
-                    await self._micro.stop()
+                    await stop_service(self._micro)
                 with anyio.move_on_after(self.opts.drain_timeout_s):
                     await eps.wait_idle()
                 if not self.lease_lost:

@@ -67,7 +67,7 @@ from rlbus.schemas import (
 from rlbus.schemas.codec import DecodeError
 from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 
-from rlbus.bus.connection import request
+from rlbus.bus.connection import request, stop_service
 
 from .book import Book, WeightLabel
 from .engine import Engine
@@ -198,7 +198,7 @@ class WorkerService:
                 with anyio.move_on_after(2):  # unsubscribing needs a live connection
                     await hello.unsubscribe()
                     await self._serve_generation(False)
-                    await self._micro.stop()
+                    await stop_service(self._micro)
                 with anyio.move_on_after(self.opts.drain_timeout_s):
                     await eps.wait_idle()
                 if eps.in_flight:
@@ -498,7 +498,7 @@ class WorkerService:
             self._generate_service = svc
         elif not on and self._generate_service is not None:
             svc, self._generate_service = self._generate_service, None
-            await svc.stop()
+            await stop_service(svc)  # also on a dead link (thawed from a freeze): never raises
 
     # ---- generation --------------------------------------------------------------------
 

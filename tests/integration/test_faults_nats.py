@@ -230,3 +230,31 @@ async def test_a_blackholed_worker_is_detected_within_seconds_and_rejoins_when_t
         finally:
             await far.kill(worker)
     await eventually(lambda: "far" not in f.controller.registry, timeout=LIVENESS_S + 2, what="far gone again")
+
+
+async def test_a_worker_that_stops_serving_on_a_dead_link_survives_and_leaves_no_generate_service(
+    fleet, server, prefix
+):
+    """A worker that finds itself behind while its link is silent (thawed from a freeze, a dead
+    route) stops its generate service: micro's stop() cannot finish its round trip there. The
+    worker goes on, and nothing of the stopped service is subscribed again on reconnect."""
+    f, rl = fleet
+    assert server.port is not None
+    async with Blackhole(server.port) as hole:
+        far = LocalFleet(hole.url)
+        worker = await far.start_worker(ReferenceEngine(MODEL), _worker_options(prefix, "dead-link"))
+        try:
+            await f.wait_for_workers(["dead-link"])
+            await eventually(lambda: worker._generate_service is not None, timeout=10, what="dead-link serving")
+            hole.holed = True
+            with anyio.fail_after(5):  # micro's own stop() would raise FlushTimeoutError after its 10 s flush
+                await worker._withhold(True)
+            assert worker._generate_service is None and worker.book.withheld
+            left = [s.subject for s in worker.nc._subs.values() if "rlbus-generate" in s.subject]
+            assert left == [], f"stopped but still subscribed (again on reconnect): {left}"
+            hole.holed = False
+            await eventually(lambda: worker.nc.is_connected, timeout=15, interval=0.05, what="reconnected")
+            await _recovered(rl, [*WORKERS, "dead-link"])  # back in the fleet, serving again
+        finally:
+            await far.kill(worker)
+    await eventually(lambda: "dead-link" not in f.controller.registry, timeout=LIVENESS_S + 2, what="gone")
