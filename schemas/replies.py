@@ -168,7 +168,11 @@ class CommitDecision(Message, frozen=True, kw_only=True, tag="commit_decision"):
     checksums: list[str] = []
     """The manifest: the xxh3-128 of every bucket sent (FinishWeightUpdate.checksums)."""
     tensor_checksums: list[TensorChecksum] = []
-    """The manifest of a delta session: each resulting tensor's xxh3-128."""
+    """The manifest of a delta session: each resulting tensor's xxh3-128 (of those sent as
+    deltas); every tensor's once `manifest_complete`."""
+    manifest_complete: bool = False
+    """`tensor_checksums` names every tensor of the committed weights: kept by the first repair
+    after this commit (what every healthy holder served), so later repairs need no holder to hash."""
     published: bool = False
     """The version was recorded and published on rl.version; False: a successor finishes it."""
     quarantined: list[str] = []

@@ -231,10 +231,17 @@ class Repairs:
         self.problem = problem
 
     async def _manifest(self, target: UpdateTarget, holders: list[str]) -> list[TensorChecksum]:
-        """What every healthy holder serves, refused unless they all agree and agree with the
-        manifest kept with the decided commit. A delta commit's decision names its tensors'
-        checksums; a dense one's holds its buckets' only, so the first repair after it keeps
-        the agreed tensor checksums with the decision (the lock is held: no commit races it)."""
+        """The tensor checksums the receivers verify against: the decided commit's manifest.
+        A delta commit's decision names the checksums of the tensors it sent as deltas, a dense
+        one's its buckets' only; so the first repair after a commit asks every healthy holder to
+        hash what it serves, refuses unless they all agree (and agree with what the decision
+        names), and keeps the agreed checksums with the decision (the lock is held: no commit
+        races it). Later repairs take the kept manifest as it is: a source whose bits rotted
+        since fails the receivers' check, and the repair is retried from another peer."""
+        decision = self.updates.decision
+        current = decision is not None and decision.target == target and decision.seq == self._committed(target)[1]
+        if current and decision is not None and decision.manifest_complete:
+            return decision.tensor_checksums
         out = await self.fleet.send(stamped(HashWeightsWorker, target=target), holders)
         out.raise_for_failures("repair (hashing the committed weights)")
         sums = {w: tuple((c.name, c.checksum) for c in a.tensor_checksums) for w, a in out.answers.items()}
@@ -244,8 +251,7 @@ class Repairs:
                 "nothing is repaired from them (push weights, or run verify_weights)"
             )
         agreed = next(iter(out.answers.values())).tensor_checksums
-        decision = self.updates.decision
-        if decision is None or decision.target != target or decision.seq != self._committed(target)[1]:
+        if not current or decision is None:
             return agreed  # decided before decisions were kept, or the other target's: the holders' word
         kept = {c.name: c.checksum for c in decision.tensor_checksums}
         differ = [c.name for c in agreed if c.name in kept and kept[c.name] != c.checksum]
@@ -254,9 +260,8 @@ class Repairs:
                 f"the healthy workers serve {target} bits other than the decided commit's manifest "
                 f"({', '.join(differ[:5])}); nothing is repaired from them (push weights, or run verify_weights)"
             )
-        if set(kept) != {c.name for c in agreed}:
-            self.updates.decision = msgspec.structs.replace(decision, tensor_checksums=list(agreed))
-            await self.updates.store.put_decision(self.updates.decision)
+        self.updates.decision = msgspec.structs.replace(decision, tensor_checksums=list(agreed), manifest_complete=True)
+        await self.updates.store.put_decision(self.updates.decision)
         return agreed
 
     async def _repair(

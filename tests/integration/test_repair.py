@@ -183,6 +183,36 @@ async def test_holders_that_disagree_with_the_decided_manifest_are_never_a_sourc
     await rl.push_weights(named, new_version("repair"))  # a new decision for the rest of the module
 
 
+async def test_a_kept_manifest_catches_a_source_whose_bits_rotted_and_another_peer_repairs(fleet):
+    f, rl = fleet
+    named = trained(17)
+    await rl.push_weights(named, new_version("repair"))
+    repaired, failed = FleetEvents(), FleetEvents()
+    subs = [
+        await rl.nc.subscribe(f.controller.subjects.event("worker_repaired"), cb=repaired.on),
+        await rl.nc.subscribe(f.controller.subjects.event("repair_failed"), cb=failed.on),
+    ]
+    try:
+        await start_worker(f, "r-a", seed=95)  # the first repair after the commit keeps its manifest
+        await eventually(lambda: repaired.of("worker_repaired", "r-a"), timeout=30, what="r-a repaired")
+        await f.stop(f.workers.pop("r-a"))
+        assert f.controller.updates.decision.manifest_complete
+        live = f.workers["r0"].engine.parameters_of("main")  # r0, the first source, rots
+        with torch.no_grad():
+            live[sorted(live)[0]].view(-1)[0] += 1.0
+        await start_worker(f, "r-b", seed=94)
+        await eventually(lambda: failed.of("repair_failed", "r-b"), timeout=30, what="the rotten source refused")
+        assert f.workers["r-b"].state().withheld  # never served
+        await eventually(lambda: repaired.of("worker_repaired", "r-b"), timeout=30, what="r-b repaired by r1")
+        assert "source=r1" in repaired.of("worker_repaired", "r-b")[0].detail
+        assert_holds(f, "r-b", named)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await f.stop(f.workers.pop("r-b"))
+    await rl.push_weights(named, new_version("repair"))  # r0 back on the trainer's bits
+
+
 async def test_server_info_names_no_repair_when_the_fleet_is_current(fleet):
     _, rl = fleet
     info = await rl.server_info()
