@@ -54,9 +54,17 @@ class Route(Generic[C]):
     reply), where a task would cost more than the work."""
 
     def __init__(
-        self, kind: type[C], handler: Callable[[C], Awaitable[object]], inline: bool | Callable[[C], bool], read: bool
+        self,
+        kind: type[C],
+        handler: Callable[[C], Awaitable[object]],
+        inline: bool | Callable[[C], bool],
+        read: bool,
+        recover: Callable[[C], Awaitable[object | None]] | None = None,
     ) -> None:
         self.kind = kind
+        self.recover = recover
+        """Answers a retry of a command whose run stopped with its process before it answered,
+        from the state that run left (e.g. a finish whose commit a successor completed)."""
         self.op = op_of(kind)
         self.handler = handler
         self.inline = inline
@@ -67,6 +75,17 @@ class Route(Generic[C]):
 
     def runs_inline(self, cmd: C) -> bool:
         return self.inline(cmd) if callable(self.inline) else self.inline
+
+    def recovery(self, cmd: C) -> Callable[[], Awaitable[bytes | None]] | None:
+        recover = self.recover
+        if recover is None:
+            return None
+
+        async def answer() -> bytes | None:
+            out = await recover(cmd)
+            return encode(out) if out is not None else None
+
+        return answer
 
 
 class Routes:
@@ -83,8 +102,9 @@ class Routes:
         *,
         inline: bool | Callable[[C], bool] = False,
         read: bool = False,
+        recover: Callable[[C], Awaitable[object | None]] | None = None,
     ) -> None:
-        route = Route(kind, handler, inline, read)
+        route = Route(kind, handler, inline, read, recover)
         if route.op in self._by_op:
             raise ValueError(f"{route.op} is routed twice")
         self._by_op[route.op] = route
@@ -172,10 +192,18 @@ class ReplyCache:
             )
 
     async def run(
-        self, command_id: str, print_: str, work: Callable[[], Awaitable[bytes]], *, durable: bool = False
+        self,
+        command_id: str,
+        print_: str,
+        work: Callable[[], Awaitable[bytes]],
+        *,
+        durable: bool = False,
+        recover: Callable[[], Awaitable[bytes | None]] | None = None,
     ) -> bytes:
         """The answer of `work`, run once per command id. `durable`: also keep it in the
-        durable store (state-changing commands)."""
+        durable store (state-changing commands). A command that was running when the process
+        serving it stopped is not run again: `recover` may answer it from the state it left
+        (None, or no `recover`: ABORTED, saying so)."""
         if not command_id:
             return await work()
         while command_id in self._running:  # a duplicate arrived while the first runs
@@ -194,9 +222,11 @@ class ReplyCache:
             if stored is not None:
                 self._check(command_id, print_, stored.fingerprint)
                 if not stored.answered:
+                    recovered = await _recovered(recover)
                     stored = StoredReply(
                         print_,
-                        encode(
+                        recovered
+                        or encode(
                             Aborted(
                                 f"command {command_id!r} ({print_.split(':')[0]}) was running when the process serving it "
                                 "stopped, before it answered; it is not run twice: read the state (server_info, "
@@ -217,6 +247,16 @@ class ReplyCache:
         finally:
             del self._running[command_id]
             ev.set()
+
+
+async def _recovered(recover: Callable[[], Awaitable[bytes | None]] | None) -> bytes | None:
+    if recover is None:
+        return None
+    try:
+        return await recover()
+    except Exception as e:  # the state cannot say: the caller is told the command was not run twice
+        log.warning("could not answer a command its last run left unanswered: %s", e)
+        return None
 
 
 class Endpoints:
@@ -345,7 +385,9 @@ class Endpoints:
                 return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
 
         try:
-            return await self.replies.run(cmd.command_id, print_, work, durable=not route.read)
+            return await self.replies.run(
+                cmd.command_id, print_, work, durable=not route.read, recover=route.recovery(cmd)
+            )
         except RLBusError as e:  # the id was used for another command
             return encode(e.to_nack())
 

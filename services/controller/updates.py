@@ -99,7 +99,7 @@ class Updates:
         r.add(InitWeightTransfer, self.init_weight_transfer)
         r.add(StartWeightUpdate, self.start_weight_update)
         r.add(UpdateWeights, self.update_weights)
-        r.add(FinishWeightUpdate, self.finish_weight_update)
+        r.add(FinishWeightUpdate, self.finish_weight_update, recover=self.decided_answer)
         r.add(AbortWeightUpdate, self.abort_weight_update)
         r.add(UpdateWeightVersion, self.update_weight_version)
         r.add(GetWeightVersion, self.get_weight_version, read=True)
@@ -505,6 +505,16 @@ class Updates:
                 if isinstance(self.session, S.Idle):  # committed or aborted: the push is over
                     with anyio.CancelScope(shield=True):
                         await self.leases.release(cmd.trainer_id)
+
+    async def decided_answer(self, cmd: FinishWeightUpdate) -> FleetAck | None:
+        """A finish retried after the controller running it stopped before it answered: when
+        its session's commit was decided (and recorded, by this controller's takeover), the
+        commit stands, and the retry gets the fleet's ack on it. None: nothing was decided."""
+        d = self.decision
+        if d is None or not d.published or cmd.session_id is None or d.session_id != cmd.session_id:
+            return None
+        async with self.fleet.lock:
+            return self.ack(await self.fleet.send(stamped(StatusWorker), self.fleet.ids()))
 
     async def _finish(self, cmd: FinishWeightUpdate) -> FleetAck:
         """Under the lock: phase 1 (prepare), the decision, phase 2 (commit)."""

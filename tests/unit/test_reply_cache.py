@@ -1,5 +1,6 @@
 """The reply cache keeps a state-changing command's answer before it is sent, and a command that
-started but never answered (its process died) is refused on retry, not run twice; no server."""
+started but never answered (its process died) is not run twice on retry: answered from the state its
+run left where its route can say, else refused; no server."""
 
 from __future__ import annotations
 
@@ -55,6 +56,29 @@ async def test_a_command_that_started_and_never_answered_is_refused_on_retry_not
     )
     assert not ran
     assert isinstance(reply, Nack) and reply.code == "ABORTED" and "not run twice" in reply.message
+
+
+async def test_a_command_that_never_answered_is_answered_from_what_its_run_left_when_the_route_can_say():
+    store = DictReplies()
+    store.kept["c1"] = StoredReply("finish_weight_update:x", b"", answered=False)  # died after its decision
+
+    async def work() -> bytes:
+        raise AssertionError("run twice")
+
+    async def decided() -> bytes | None:
+        return b"the decided commit's ack"
+
+    async def nothing() -> bytes | None:
+        return None
+
+    cache = ReplyCache(durable=store)
+    assert (
+        await cache.run("c1", "finish_weight_update:x", work, durable=True, recover=decided)
+        == b"the decided commit's ack"
+    )
+    store.kept["c2"] = StoredReply("finish_weight_update:y", b"", answered=False)
+    reply = reply_decoder.decode(await cache.run("c2", "finish_weight_update:y", work, durable=True, recover=nothing))
+    assert isinstance(reply, Nack) and reply.code == "ABORTED"
 
 
 async def test_a_read_is_neither_marked_nor_kept():
