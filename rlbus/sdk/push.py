@@ -266,10 +266,12 @@ class WeightPush:
 
         from rlbus.sdk.snapshot import host_copy
         from rlbus.transfer import delta as D
+        from rlbus.transfer.checksum import checksum_kind
 
         pending, st = self.pending, self.stats
         assert pending is not None
         base = self.committed.get(self._target) if pending.base_seq is not None else None
+        kind = checksum_kind(self.init.backend if self.init else None)  # the workers hash results alike
         t0 = time.perf_counter()
         olds: list[torch.Tensor | None] = []
         for name, t in named:
@@ -287,7 +289,8 @@ class WeightPush:
             t = named[k][1]
             host = t if t.device.type == "cpu" else t.cpu()
             # the result's checksum is taken in the compare's pass, the last commit's delta written in it
-            return D.diff_checked(host, old, base.unapplied.pop(named[k][0], None) if base is not None else None)
+            under = base.unapplied.pop(named[k][0], None) if base is not None else None
+            return D.diff_checked(host, old, under, kind)
 
         threads = max(1, min(self.encode_threads, sum(o is not None for o in olds)))
         if threads > 1:

@@ -37,7 +37,7 @@ from rlbus.transfer.buckets import (
     dtype_name,
     torch_dtype,
 )
-from rlbus.transfer.checksum import checksum
+from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22
@@ -311,11 +311,14 @@ def _blob(found: _Found, numel: int, dtype: torch.dtype, shape: tuple[int, ...])
     return Delta(index="int32", changed=k, blob=blob, shape=shape, dtype=dtype)
 
 
-def diff_checked(new: torch.Tensor, base: torch.Tensor, under: Delta | None = None) -> tuple[int, Delta | None, str]:
-    """:func:`diff`, and the checksum of ``new``'s bytes (xxh3-128, as
-    :func:`rlbus.transfer.checksum.checksum` gives) when a delta of changed elements came out
-    ("" otherwise: dense tensors are covered by their bucket's checksum). On the host the hash
-    is taken in the same pass as the compare, while each slice is in cache.
+def diff_checked(
+    new: torch.Tensor, base: torch.Tensor, under: Delta | None = None, kind: ChecksumKind | None = None
+) -> tuple[int, Delta | None, str]:
+    """:func:`diff`, and the checksum of ``new``'s bytes (``kind``: the group's algorithm, see
+    :mod:`rlbus.transfer.checksum`; None: the default for ``new``'s device) when a delta of
+    changed elements came out ("" otherwise: dense tensors are covered by their bucket's
+    checksum). On the host an xxh3 hash is taken in the same pass as the compare, while each
+    slice is in cache.
 
     ``under``: a delta to write onto ``base`` (contiguous) first, the last commit's: on the host
     it is written a slice at a time as the compare reaches it. ``base`` holds it afterwards."""
@@ -327,18 +330,26 @@ def diff_checked(new: torch.Tensor, base: torch.Tensor, under: Delta | None = No
         if under is not None:
             under.apply_to(base)  # the caller handed it over: base holds it, whatever happens
         raise
+    if kind is None:
+        kind = "device" if a.device.type != "cpu" else checksum_kind()
+
+    def digest(k: int, d: Delta | None) -> str:
+        return checksum(a.view(torch.uint8), kind) if k and d is not None else ""
+
     if a.device.type != "cpu":
         if under is not None:
             under.apply_to(base)
         k, d = _diff(a, b, tuple(new.shape), new.dtype)
-        return k, d, checksum(a.cpu().view(torch.uint8)) if k and d is not None else ""
-    hasher = xxhash.xxh3_128()
+        return k, d, digest(k, d)
+    hasher = xxhash.xxh3_128() if kind == "xxh3" else None
     found = _scan(a, b, _int32_limit(a.numel(), a.element_size()), hasher, under)
     if found is not None:
         k, d = _finish(a, b, found, tuple(new.shape), new.dtype)
-        return k, d, hasher.hexdigest() if k and d is not None else ""
+        if hasher is not None:
+            return k, d, hasher.hexdigest() if k and d is not None else ""
+        return k, d, digest(k, d)
     k, d = _diff(a, b, tuple(new.shape), new.dtype)
-    return k, d, checksum(a.view(torch.uint8)) if k and d is not None else ""
+    return k, d, digest(k, d)
 
 
 def _finish(

@@ -28,6 +28,7 @@ import xxhash
 from rlbus.schemas import TransferInit
 from rlbus.transfer.base import Handle, TransferError, ViewHandle, timeout_error
 from rlbus.transfer.buckets import align_up
+from rlbus.transfer.checksum import checksum_kind
 from rlbus.transfer.rendezvous import connect_store, host_store
 
 JOINED = "shm/joined"
@@ -105,7 +106,10 @@ class ShmTrainer:
 
     A :class:`~rlbus.transfer.base.SharedMemoryTrainer` (it has :meth:`alloc`)."""
 
+    device = torch.device("cpu")
+
     def __init__(self, slot_bytes: int = 0) -> None:
+        self.checksum_kind = checksum_kind("shm")
         self._slot_hint = slot_bytes
         self._store: _Store | _NotOpen = _NotOpen()
         self._raw: dist.TCPStore | None = None
@@ -242,7 +246,10 @@ class ShmWorker:
 
     A :class:`~rlbus.transfer.base.SharedMemoryWorker` (it has :meth:`recv_view`)."""
 
+    device = torch.device("cpu")
+
     def __init__(self) -> None:
+        self.checksum_kind = checksum_kind("shm")
         self._store: _Store | _NotOpen = _NotOpen()
         self._raw: dist.TCPStore | None = None
         self._segs: dict[str, _Segment] = {}

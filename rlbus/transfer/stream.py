@@ -37,7 +37,7 @@ from rlbus.transfer.base import (
     WorkerTransfer,
 )
 from rlbus.transfer.buckets import align_up, by_bucket, copy_out, pack, plan, unpack, validate
-from rlbus.transfer.checksum import checksum
+from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 Named = Sequence[tuple[str, torch.Tensor]]
@@ -157,6 +157,7 @@ def send_stream(
     The tensors must not change until this returns.
     """
     lookup = _lookup(named)
+    kind = group_checksum_kind(tx)
     last = len(p.bucket_sizes) if last is None else last
     if not 0 <= first <= last <= len(p.bucket_sizes):
         raise PlanError(f"bucket range {first}..{last} outside the plan's {len(p.bucket_sizes)} buckets")
@@ -176,7 +177,7 @@ def send_stream(
             if slot_sent[slot] is not None:
                 slot_sent[slot].wait()  # type: ignore[attr-defined, union-attr]
             buf = pack(k, p.per_bucket[k], lookup, scratch[slot][:size])
-        sums.append(checksum(buf))  # type: ignore[arg-type]
+        sums.append(checksum(buf, kind, seed=k - first))  # type: ignore[arg-type]
         if len(window) == 2:
             window.pop(0).wait()
         window.append(tx.send(buf))  # type: ignore[arg-type]
@@ -187,8 +188,15 @@ def send_stream(
     return sums
 
 
-def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.Tensor | None = None) -> Packed:
-    """Pack every bucket once into a pool (reused when big enough) and hash it."""
+def pack_all(
+    p: Plan,
+    named: Named | Mapping[str, torch.Tensor],
+    *,
+    pool: torch.Tensor | None = None,
+    kind: ChecksumKind | None = None,
+) -> Packed:
+    """Pack every bucket once into a pool (reused when big enough) and hash it (``kind``: the
+    group's algorithm, :func:`group_checksum_kind`; None: the default)."""
     lookup = _lookup(named)
     offsets, end = [], 0
     for size in p.bucket_sizes:
@@ -200,7 +208,9 @@ def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.
         pack(k, p.per_bucket[k], lookup, pool[off : off + size])
         for k, (off, size) in enumerate(zip(offsets, p.bucket_sizes))
     ]
-    return Packed(plan=p, pool=pool, buffers=buffers, checksums=[checksum(b) for b in buffers])
+    return Packed(
+        plan=p, pool=pool, buffers=buffers, checksums=[checksum(b, kind, seed=k) for k, b in enumerate(buffers)]
+    )
 
 
 def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
@@ -247,6 +257,7 @@ def recv_buckets(
     time out.
     """
     validate(params, buckets)
+    kind = group_checksum_kind(rx)
     per_bucket = by_bucket(params, len(buckets))
     biggest = max((b.nbytes for b in buckets), default=0)
     sums: list[str] = []
@@ -283,7 +294,7 @@ def recv_buckets(
             nxt = post(k + 1)
         if buf is None:
             buf = view
-        sums.append(checksum(buf))  # type: ignore[arg-type]
+        sums.append(checksum(buf, kind, seed=k))  # type: ignore[arg-type]
         copied = into is not None and (view is not None or any(buf.data_ptr() == b.data_ptr() for b in bufs))  # type: ignore[union-attr]
         for name, tensor in copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k]):  # type: ignore[arg-type]
             sink(name, tensor)
@@ -292,6 +303,12 @@ def recv_buckets(
     if expected is not None:
         verify(sums, expected)
     return sums
+
+
+def group_checksum_kind(transfer: object) -> ChecksumKind:
+    """The checksum algorithm of a transfer's group: its ``checksum_kind`` (every rlbus backend
+    has one, chosen from its backend and ``RLBUS_CHECKSUM``), else the default."""
+    return getattr(transfer, "checksum_kind", None) or checksum_kind()
 
 
 def verify(got: Sequence[str], expected: Sequence[str]) -> None:

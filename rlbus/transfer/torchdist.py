@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rlbus.schemas import TransferInit
 from rlbus.transfer.base import Handle, TransferError, timeout_error
+from rlbus.transfer.checksum import checksum_kind
 from rlbus.transfer.rendezvous import connect_store, host_store
 
 TorchBackend = Literal["gloo", "nccl"]
@@ -76,6 +77,8 @@ class _Group:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown torch.distributed backend {backend!r}")
         self.backend = backend
+        self.checksum_kind = checksum_kind(backend)
+        """The group's bucket checksum (see rlbus.transfer.checksum): the same on every rank."""
         self._device = device
         self._pg: dist.ProcessGroup | _NotOpen = _NotOpen()
         self._store: dist.Store | None = None

@@ -1,8 +1,9 @@
 """Delta weight updates on an in-process fleet serving bfloat16: the trainer keeps float32
 master weights, trains them with Adam, and pushes only the bf16 elements that changed.
 
-One fleet per (transport, update mode): gloo + staged and shm + in_place, each with a draft,
-started once; tests that break the fleet's membership start a small fleet of their own.
+One fleet per (transport, update mode, checksum): gloo + staged + xxh3 and shm + in_place + the
+device checksum (RLBUS_CHECKSUM=device: what NCCL uses, on CPU), each with a draft, started once;
+tests that break the fleet's membership start a small fleet of their own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.weights_helpers import new_version, settled  # noqa: F401 - the autou
 
 BF16 = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, seed=0, dtype="bfloat16")
 DRAFT = msgspec.structs.replace(BF16, n_layers=1, seed=1000)
-CONFIGS = [("gloo", "staged"), ("shm", "in_place")]
+CONFIGS = [("gloo", "staged", "xxh3"), ("shm", "in_place", "device")]
 
 
 class Master:
@@ -61,13 +62,15 @@ def assert_fleet_holds(fleet, named, target: str = "main") -> None:
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "-".join(c))
-def config(request) -> tuple[str, str]:
+def config(request) -> tuple[str, str, str]:
     return request.param
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix, config):
-    backend, mode = config
+    backend, mode, kind = config
+    env = pytest.MonkeyPatch()
+    env.setenv("RLBUS_CHECKSUM", kind)  # both ends of every group, and every whole-tensor check
     # a generous liveness timeout: a worker dropped and withheld on a loaded box would (rightly) refuse a delta
     async with fleet_running(
         nats_server.url,
@@ -79,6 +82,7 @@ async def fleet(nats_server, prefix, config):
         update_mode=mode,
     ) as running:
         yield running
+    env.undo()
 
 
 @pytest.fixture(scope="module")

@@ -478,3 +478,40 @@ def test_nccl_round_trip_between_two_processes_is_bit_identical():
         tx.close()
     assert proc.returncode == 0, stderr
     assert json.loads(stdout.strip().splitlines()[-1]) == digests(named)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_with_the_device_checksum_forced_both_ends_hash_alike_and_catch_a_bad_or_missing_bucket(backend, monkeypatch):
+    """What NCCL uses, run on CPU over gloo and shm: the trainer's and every worker's checksums
+    are the device checksum of each bucket seeded with its place, a flipped bit and a missing
+    bucket are refused, and the group stays usable."""
+    from rlbus.transfer.checksum import device_checksum
+    from rlbus.transfer.stream import verify
+
+    monkeypatch.setenv("RLBUS_CHECKSUM", "device")
+    named = model()
+    p = prepare(named, BUCKET)
+    packed = pack_all(p, named, kind="device")
+    want = [device_checksum(b, k) for k, b in enumerate(packed.buffers)]
+    assert packed.checksums == want and want != [checksum(b, "xxh3") for b in packed.buffers]
+    sent: list = []
+
+    def worker(rx, rank):
+        got: dict[str, torch.Tensor] = {}
+        sums = recv_buckets(rx, p.params, p.buckets, lambda n, v: got.__setitem__(n, v.clone()))
+        with pytest.raises(ChecksumMismatch):
+            recv_buckets(rx, p.params, p.buckets, lambda n, v: None, expected=want)
+        with pytest.raises(ChecksumMismatch, match="checksum count"):
+            verify(sums[:-1], want)
+        return got, sums
+
+    def trainer(tx):
+        sent.append(send_stream(tx, p, named))
+        packed.buffers[2][0] ^= 0x01  # after its checksum was taken
+        send_all(tx, packed.buffers)
+
+    for res in run_threads(new_init(backend, 2), trainer, worker):
+        assert not isinstance(res, BaseException), res
+        got, sums = res
+        assert sums == sent[0] == want
+        assert all(torch.equal(got[n], t) for n, t in named)
