@@ -137,6 +137,8 @@ class ShmTrainer:
         return self._in_pool(buf) is not None
 
     def _in_pool(self, buf: torch.Tensor) -> tuple[_Segment, int] | None:
+        if buf.device.type != "cpu":
+            return None
         ptr = buf.data_ptr()
         for seg in self._pools:
             base = seg.data.data_ptr()
@@ -173,8 +175,8 @@ class ShmTrainer:
         Blocks only while that slot's previous bucket is still being read. The
         handle's ``wait`` returns once every worker copied this bucket out.
         """
-        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
-            raise TransferError("buckets travel as contiguous CPU uint8 tensors")
+        if buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise TransferError("buckets travel as contiguous uint8 tensors")
         k, n = self._seq, buf.numel()
         pooled = self._in_pool(buf)
         if pooled is not None:  # already in shared memory: announce where, copy nothing
@@ -279,8 +281,8 @@ class ShmWorker:
 
         Waiting on a later handle first completes every earlier one, in order.
         """
-        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
-            raise TransferError("buckets travel as contiguous CPU uint8 tensors")
+        if buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise TransferError("buckets travel as contiguous uint8 tensors")
         k = self._seq
         self._posted[k] = buf
         self._seq += 1
