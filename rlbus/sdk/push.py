@@ -264,7 +264,7 @@ class WeightPush:
         compares run on `encode_threads` threads (numpy and torch release the GIL)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from rlbus.sdk.snapshot import host_copy
+        from rlbus.sdk.snapshot import committed_copy
         from rlbus.transfer import delta as D
         from rlbus.transfer.checksum import checksum_kind
 
@@ -286,11 +286,11 @@ class WeightPush:
             old = olds[k]
             if old is None:
                 return None
-            t = named[k][1]
-            host = t if t.device.type == "cpu" else t.cpu()
-            # the result's checksum is taken in the compare's pass, the last commit's delta written in it
+            # compared where the tensor lives (a GPU tensor on its GPU, against a base there or in
+            # pinned host memory); on the host the result's checksum is taken in the compare's
+            # pass and the last commit's delta written in it
             under = base.unapplied.pop(named[k][0], None) if base is not None else None
-            return D.diff_checked(host, old, under, kind)
+            return D.diff_checked(named[k][1], old, under, kind)
 
         threads = max(1, min(self.encode_threads, sum(o is not None for o in olds)))
         if threads > 1:
@@ -319,7 +319,7 @@ class WeightPush:
                     deltas[name] = d
                     st.tensors_delta += 1
                     continue
-            pending.dense[name] = host_copy(t)
+            pending.dense[name] = committed_copy(t)
             sending.append((name, t))
             st.tensors_dense += 1
         st.encode_s += time.perf_counter() - t0

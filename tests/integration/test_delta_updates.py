@@ -1,9 +1,10 @@
 """Delta weight updates on an in-process fleet serving bfloat16: the trainer keeps float32
 master weights, trains them with Adam, and pushes only the bf16 elements that changed.
 
-One fleet per (transport, update mode, checksum): gloo + staged + xxh3 and shm + in_place + the
-device checksum (RLBUS_CHECKSUM=device: what NCCL uses, on CPU), each with a draft, started once;
-tests that break the fleet's membership start a small fleet of their own.
+One fleet per (transport, update mode, data-plane path): gloo + staged on the host path (xxh3,
+numpy's compare) and shm + in_place on the device path run on CPU (RLBUS_CHECKSUM=device,
+RLBUS_DELTA=device: the checksum, compare, encode and apply GPU tensors take over NCCL), each
+with a draft, started once; tests that break the fleet's membership start a small fleet of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.weights_helpers import new_version, settled  # noqa: F401 - the autou
 
 BF16 = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, seed=0, dtype="bfloat16")
 DRAFT = msgspec.structs.replace(BF16, n_layers=1, seed=1000)
-CONFIGS = [("gloo", "staged", "xxh3"), ("shm", "in_place", "device")]
+CONFIGS = [("gloo", "staged", "host"), ("shm", "in_place", "device")]
 
 
 class Master:
@@ -68,9 +69,11 @@ def config(request) -> tuple[str, str, str]:
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix, config):
-    backend, mode, kind = config
+    backend, mode, path = config
     env = pytest.MonkeyPatch()
-    env.setenv("RLBUS_CHECKSUM", kind)  # both ends of every group, and every whole-tensor check
+    if path == "device":  # both ends of every group, every whole-tensor check, every compare and write
+        env.setenv("RLBUS_CHECKSUM", "device")
+        env.setenv("RLBUS_DELTA", "device")
     # a generous liveness timeout: a worker dropped and withheld on a loaded box would (rightly) refuse a delta
     async with fleet_running(
         nats_server.url,

@@ -1,12 +1,21 @@
 """The trainer's copy of the committed bits (rlbus.sdk.snapshot): it moves only at a commit,
-and only along the session that was taken against it."""
+and only along the session that was taken against it. Every test runs on the host path and on
+the device path (torch ops) forced on CPU tensors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlbus.sdk.snapshot import Committed, Pending
 from rlbus.transfer import delta as D
+
+
+@pytest.fixture(autouse=True, params=["host", "device"])
+def path(request, monkeypatch) -> str:
+    if request.param == "device":
+        monkeypatch.setenv(D.DEVICE_ENV, "device")
+    return request.param
 
 
 def _tensors() -> dict[str, torch.Tensor]:
