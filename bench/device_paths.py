@@ -23,6 +23,12 @@ Checks: the bytes stayed on the device and arrived bit-identical (checksums on b
 results of the delta); dense >= 0.9x raw; delta >= 10x dense. On ``--device cpu`` the speed
 checks are reported, not enforced (the "wire" is loopback TCP on the same cores that compare
 and hash; see docs/performance.md) unless ``--strict``; it runs in well under 30 s.
+
+Before those, on the (first) device alone: the device checksum equals the host's digest of the
+same bytes, a delta compared, encoded and applied there (base on the device and in pinned host
+memory) is bit-identical, and both kernels' throughput against a device copy of the same bytes
+(reported). With a single GPU the NCCL checks are reported as SKIP (NCCL refuses two ranks on
+one GPU) and the exit status is that of the single-device checks.
 """
 
 from __future__ import annotations
@@ -140,6 +146,75 @@ class Check:
         print(f"{mark} {name}: {detail}", flush=True)
 
 
+def one_device(check: Check, device: str, reps: int, size: int) -> None:
+    """The kernels on one device: the device checksum against the host's digest, a delta round
+    trip against a base on the device and in pinned host memory, and their throughput against
+    a copy of the same bytes on the device (reported, not enforced)."""
+    from rlbus.schemas import ParamMeta
+
+    from rlbus.transfer import delta as D
+    from rlbus.transfer.buckets import as_bytes
+    from rlbus.transfer.checksum import device_checksum
+
+    n = size + 13
+    host = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    buf = host.to(device)
+    check.line(
+        "device checksum equals the host's", device_checksum(buf) == device_checksum(host), f"{n} bytes on {device}"
+    )
+    base = model(size, device)
+    new = changed(base, 0.01)
+    ok = True
+    for where in ("device", "pinned") if device == "cuda" else ("device",):
+        for name, t in new.items():
+            b = base[name] if where == "device" else base[name].cpu().pin_memory()
+            k, d, digest = D.diff_checked(t, b, None, "device")
+            if d is None or d.blob.device.type != device:
+                ok = False
+                continue
+            out = base[name].clone()
+            n_ = d.blob.numel()
+            D.write(out, d.blob, d.meta(ParamMeta(name=name, dtype="uint8", shape=[n_], bucket=0, offset=0, nbytes=n_)))
+            ok &= torch.equal(D.bits(out), D.bits(t)) and digest == device_checksum(as_bytes(out))
+    check.line("device delta round trip bit-identical", ok, f"compare, encode, apply on {device} (1% changed bf16)")
+
+    def timed(fn) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - t0
+
+    big = torch.randn(size, device=device).to(torch.bfloat16)
+    moved = big.clone()
+    moved[::97] = 0  # ~1% of the elements
+    raw, dst = big.view(torch.uint8), torch.empty(big.numel() * 2, dtype=torch.uint8, device=device)
+    kinds = {
+        "copy": lambda: dst.copy_(raw),
+        "checksum": lambda: device_checksum(raw),
+        "compare": lambda: D.diff_checked(moved, big, None, "device"),
+    }
+    best = dict.fromkeys(kinds, float("inf"))
+    for _ in range(reps + 1):
+        for kind, fn in kinds.items():
+            best[kind] = min(best[kind], timed(fn))
+    nb = raw.numel()
+    check.line(
+        "device checksum throughput",
+        False,
+        f"{nb / best['checksum'] / 1e9:.2f} GB/s = {best['copy'] / best['checksum']:.2f}x a copy on {device} "
+        f"({nb / best['copy'] / 1e9:.2f} GB/s)",
+        enforced=False,
+    )
+    check.line(
+        "device compare throughput",
+        False,
+        f"{2 * nb / best['compare'] / 1e9:.2f} GB/s of both copies = {2 * best['copy'] / best['compare']:.2f}x a copy "
+        f"(compare + encode + result checksum, 1% changed)",
+        enforced=False,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
@@ -152,18 +227,26 @@ def main() -> int:
     a = ap.parse_args()
     check = Check(a.strict)
     device = a.device
+    torch.set_num_threads(1)
+    size = (a.size_mb or (1024 if device == "cuda" else 32)) * MiB
     if device == "cuda":
-        if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            check.line("nccl group", False, f"needs two CUDA devices (NCCL refuses two ranks on one GPU); found {n}")
+        if not torch.cuda.is_available():
+            check.line("cuda", False, "no CUDA device")
             return 1
+        torch.cuda.set_device(0)
+        one_device(check, device, a.reps, min(size, 256 * MiB))
+        if torch.cuda.device_count() < 2:
+            for name in ("bytes stay on the device", "bucket checksums agree", "delta results bit-identical"):
+                print(f"SKIP {name} (nccl): needs two CUDA devices (NCCL refuses two ranks on one GPU); found 1")
+            print("SKIP dense push vs raw broadcast (nccl): needs two CUDA devices")
+            print("SKIP delta push vs dense push (nccl): needs two CUDA devices")
+            return 1 if check.failed else 0
         backend = "nccl"
     else:
         backend = "gloo"
         os.environ["RLBUS_CHECKSUM"] = "device"  # the NCCL path's checks, on the host
         os.environ["RLBUS_DELTA"] = "device"
-    torch.set_num_threads(1)
-    size = (a.size_mb or (1024 if device == "cuda" else 32)) * MiB
+        one_device(check, device, 1, size)
     bucket = (a.bucket_mb or (256 if device == "cuda" else 16)) * MiB
     enforce_speed = device == "cuda" or a.strict
 

@@ -60,6 +60,9 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
             "device_paths.py",
             ["--device", "cpu", "--size-mb", "8", "--reps", "1"],
             [
+                r"^PASS device checksum equals the host's",
+                r"^PASS device delta round trip bit-identical",
+                r"^INFO device checksum throughput: \d+\.\d\d GB/s",
                 r"^PASS bytes stay on the device",
                 r"^PASS bucket checksums agree",
                 r"^PASS delta results bit-identical",
