@@ -12,7 +12,9 @@ For each receiver count R (receivers are separate processes) it measures
          buffers by R threads at once: from the trainer's shared pool (the transport
          alone), through its two slots, and the whole rlbus stream of the 200-tensor model
 and prints GB/s plus the ratios rlbus/raw, rlbus/naive, shm/memcpy (throughput;
-1.0 = as fast as the reference). Times run from the trainer's start to the last
+1.0 = as fast as the reference). First, on this host's CPU (--ops-mb; what CI runs of the
+paths GPU tensors take over NCCL): the device checksum and the device (torch) delta compare
+against a memcpy of the same bytes, beside xxh3 and numpy's host compare. Times run from the trainer's start to the last
 receiver's finish (same-host monotonic clock), best of --reps, each after one warm-up;
 every kind is measured in turn within a rep, so drift on a shared machine hits all alike.
 """
@@ -195,6 +197,53 @@ def gbps(nbytes: int, s: float) -> float:
     return nbytes / s / 1e9
 
 
+def device_ops(nbytes: int, reps: int) -> None:
+    """The device paths' kernels run on the host: the device checksum and the torch delta
+    compare (+ encode) of a bf16 tensor with ~1% of its elements changed, against a memcpy of
+    the same bytes (the compare reads two copies: against two memcpys' worth of reading),
+    measured in turn, best of ``reps``; xxh3 and numpy's host compare beside them."""
+    from rlbus.transfer import delta as D
+    from rlbus.transfer.checksum import device_checksum
+
+    g = torch.Generator().manual_seed(0)
+    n = nbytes // 2
+    base = torch.randn(n, generator=g).to(torch.bfloat16)
+    new = base.clone()
+    hit = torch.randint(0, n, (n // 100,), generator=g)
+    new[hit] = (new[hit].float() * 1.01).to(torch.bfloat16)
+    src, dst = new.view(torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    a, b = D.bits(new), D.bits(base)
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    kinds = {
+        "memcpy": lambda: dst.copy_(src),
+        "xxh3": lambda: checksum(src, "xxh3"),
+        "device checksum": lambda: device_checksum(src),
+        "numpy compare": lambda: D.diff(new, base),
+        "device compare": lambda: D._diff_torch(a, b, tuple(new.shape), new.dtype),
+    }
+    best = dict.fromkeys(kinds, float("inf"))
+    for _ in range(reps + 1):
+        for kind, fn in kinds.items():
+            best[kind] = min(best[kind], timed(fn))
+    m = best["memcpy"]
+    print(
+        f"device paths on this CPU ({nbytes >> 20} MiB, 1 torch thread, best of {reps}; ratio = throughput / memcpy's)"
+    )
+    print(f"  memcpy               {gbps(nbytes, m):6.2f} GB/s")
+    for kind in ("xxh3", "device checksum"):
+        print(f"  {kind:<20} {gbps(nbytes, best[kind]):6.2f} GB/s   /memcpy = {m / best[kind]:.2f}")
+    for kind in ("numpy compare", "device compare"):
+        print(
+            f"  {kind:<20} {gbps(2 * nbytes, best[kind]):6.2f} GB/s of both copies   "
+            f"/memcpy = {2 * m / best[kind]:.2f}   (1% of bf16 elements changed: compare + encode)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB)")
@@ -209,6 +258,7 @@ def main() -> None:
         "rlbus_small, memcpy, shm, shm_pool, shm_stream",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (rlbus services use 1)")
+    ap.add_argument("--ops-mb", type=int, default=256, help="bytes for the device checksum/compare on CPU (0: skip)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     # one intra-op thread per process, as rlbus's services run: with R+1 processes on a few
@@ -216,6 +266,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if a.worker:
         return worker_main()
+    if a.ops_mb:
+        device_ops(a.ops_mb << 20, a.reps)
     global BUCKET, SHM_BUCKET
     BUCKET, SHM_BUCKET = a.bucket_mb << 20, a.shm_bucket_mb << 20
     size = a.size_mb << 20

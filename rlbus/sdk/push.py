@@ -68,6 +68,13 @@ PARAM_META_BOUND = 160
 DELTA_META_BOUND = 96
 """What a delta's fields (encoding, index, changed, index_nbytes, values_offset) add to it."""
 
+DELTA_GROUPS = 4
+"""A delta update is compared and encoded in up to this many groups of tensors, the next while
+the last travels (each group one more UpdateWeights round trip)."""
+
+DELTA_GROUP_MIN_BYTES = 64 << 20
+"""A group holds at least this many bytes (dense) of tensors: smaller models go in fewer."""
+
 
 class PushStats(msgspec.Struct, kw_only=True):
     """What one update session sent (`RLClient.last_push`)."""
@@ -264,12 +271,14 @@ class WeightPush:
         compares run on `encode_threads` threads (numpy and torch release the GIL)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from rlbus.sdk.snapshot import host_copy
+        from rlbus.sdk.snapshot import committed_copy
         from rlbus.transfer import delta as D
+        from rlbus.transfer.checksum import checksum_kind
 
         pending, st = self.pending, self.stats
         assert pending is not None
         base = self.committed.get(self._target) if pending.base_seq is not None else None
+        kind = checksum_kind(self.init.backend if self.init else None)  # the workers hash results alike
         t0 = time.perf_counter()
         olds: list[torch.Tensor | None] = []
         for name, t in named:
@@ -284,10 +293,11 @@ class WeightPush:
             old = olds[k]
             if old is None:
                 return None
-            t = named[k][1]
-            host = t if t.device.type == "cpu" else t.cpu()
-            # the result's checksum is taken in the compare's pass, the last commit's delta written in it
-            return D.diff_checked(host, old, base.unapplied.pop(named[k][0], None) if base is not None else None)
+            # compared where the tensor lives (a GPU tensor on its GPU, against a base there or in
+            # pinned host memory); on the host the result's checksum is taken in the compare's
+            # pass and the last commit's delta written in it
+            under = base.unapplied.pop(named[k][0], None) if base is not None else None
+            return D.diff_checked(named[k][1], old, under, kind)
 
         threads = max(1, min(self.encode_threads, sum(o is not None for o in olds)))
         if threads > 1:
@@ -316,7 +326,7 @@ class WeightPush:
                     deltas[name] = d
                     st.tensors_delta += 1
                     continue
-            pending.dense[name] = host_copy(t)
+            pending.dense[name] = committed_copy(t)
             sending.append((name, t))
             st.tensors_dense += 1
         st.encode_s += time.perf_counter() - t0
@@ -325,15 +335,17 @@ class WeightPush:
     async def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int | None) -> FleetAck:
         """Metadata through the controller (every worker checks names, dtypes and shapes
         first), then the bytes out-of-band in checksummed buckets, each packed and hashed
-        while the one before it is on the wire."""
-        from rlbus.transfer.base import TransferError, detached
-        from rlbus.transfer.stream import packs_every_bucket, prepare, scratch_bytes, scratch_pair, send_stream
+        while the one before it is on the wire. A delta session compares and encodes the
+        tensors in up to DELTA_GROUPS groups, the next group while the last one's metadata and
+        buckets travel (and the workers write and hash it)."""
+        import asyncio
 
-        tx = self.transfer
-        if tx is None:
+        from rlbus.transfer.base import detached
+
+        if self.transfer is None:
             raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
-        # GPU tensors stay where they are: each is copied to the host as its bucket is packed,
-        # overlapping the wire, and the host never holds more than the two scratch buckets.
+        # Tensors stay where they are: packed (or sent from their own memory) and hashed on the
+        # group's device (GPU memory for nccl), and no host copy is made beside the two scratch buckets.
         named = [(n, t.detach()) for n, t in named_tensors]
         size = bucket_bytes or self.bucket_bytes or BUCKET_BYTES[self.init.backend if self.init else "gloo"]
         limit = min(self._max_payload(), MAX_COMMAND_BYTES) - META_HEADROOM
@@ -346,13 +358,44 @@ class WeightPush:
                 f"({min(self._max_payload(), MAX_COMMAND_BYTES)} bytes: the NATS server's max_payload, at most "
                 f"{MAX_COMMAND_BYTES}, less {META_HEADROOM} of headroom); shorten its name or raise max_payload"
             )
-        deltas: dict[str, Any] = {}
-        if self.pending is not None:
-            named, deltas = await detached(lambda: self._encode(named), name="rlbus-delta")
-        elif self.session_id is not None:
-            self.stats.tensors += len(named)
-            self.stats.elements += sum(t.numel() for _, t in named)
-            self.stats.bytes_dense += sum(t.numel() * t.element_size() for _, t in named)
+        ack: FleetAck | None = None
+        if self.pending is None:
+            if self.session_id is not None:
+                self.stats.tensors += len(named)
+                self.stats.elements += sum(t.numel() for _, t in named)
+                self.stats.bytes_dense += sum(t.numel() * t.element_size() for _, t in named)
+            ack = await self._send(named, {}, size, limit, biggest)
+        else:
+            groups = delta_groups(named)
+
+            def encoding(group: list[tuple[str, torch.Tensor]]) -> asyncio.Future[Any]:
+                return asyncio.ensure_future(detached(lambda: self._encode(group), name="rlbus-delta"))
+
+            nxt = encoding(groups[0])
+            try:
+                for i in range(len(groups)):
+                    sending, deltas = await nxt
+                    if i + 1 < len(groups):
+                        nxt = encoding(groups[i + 1])  # compared while this group travels
+                    ack = await self._send(sending, deltas, size, limit, biggest) or ack
+            finally:
+                if not nxt.done():
+                    nxt.cancel()
+        if ack is None:  # nothing to send: still tell the controller (an empty update)
+            ack = await self._call(UpdateWeights(params=[], buckets=[], session_id=self.session_id), FleetAck)
+        return ack
+
+    async def _send(
+        self, named: list[tuple[str, torch.Tensor]], deltas: dict[str, Any], size: int, limit: int, biggest: int
+    ) -> FleetAck | None:
+        """Plan `named` (deltas' blobs among them), then per metadata chunk: its UpdateWeights
+        through the controller, then its buckets. None when there was nothing to send."""
+        from rlbus.transfer.base import TransferError, detached
+        from rlbus.transfer.stream import packs_every_bucket, prepare, scratch_bytes, scratch_pair, send_stream
+
+        tx = self.transfer
+        if tx is None:
+            raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
         plan = prepare(named, size, max_tensors=max(1, limit // max(biggest, 1)))
         self.stats.bytes_sent += plan.total_bytes
         # on the wire a delta names its tensor's dtype and shape (the plan packed its bytes as uint8)
@@ -390,8 +433,6 @@ class WeightPush:
                 raise Aborted(
                     f"sending weights failed ({e}); abort the session and init_weight_transfer() again"
                 ) from None
-        if ack is None:  # nothing to send: still tell the controller (an empty update)
-            ack = await self._call(UpdateWeights(params=[], buckets=[], session_id=self.session_id), FleetAck)
         return ack
 
     async def finish(self, weight_version: str | None) -> FleetAck:
@@ -437,6 +478,22 @@ class WeightPush:
     def snapshot_bytes(self) -> int:
         """Host bytes held for deltas: the committed bits of every target, and the open session's record."""
         return sum(c.nbytes for c in self.committed.values()) + (self.pending.nbytes if self.pending else 0)
+
+
+def delta_groups(named: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """`named` cut, in order, into at most DELTA_GROUPS groups of about equal bytes (at least
+    DELTA_GROUP_MIN_BYTES each, but the last); never empty (one empty group for no tensors)."""
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    target = max(DELTA_GROUP_MIN_BYTES, -(-total // DELTA_GROUPS))
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    held = 0
+    for nt in named:
+        if held >= target:
+            groups.append([])
+            held = 0
+        groups[-1].append(nt)
+        held += nt[1].numel() * nt[1].element_size()
+    return groups
 
 
 def _meta_bound(name: str, t: torch.Tensor) -> int:

@@ -1,7 +1,12 @@
 """What the trainer keeps to send deltas: the last committed bits of every tensor it sent.
 
-One `Committed` per target (main, draft): a host copy of each tensor as the fleet holds it
-after the commit `seq`, in the transfer dtype. A session records what it sends (`Pending`:
+One `Committed` per target (main, draft): a copy of each tensor as the fleet holds it after
+the commit `seq`, in the transfer dtype. Where the copy lives (`committed_copy`): a host
+tensor's on the host; a GPU tensor's in pinned host memory by default (the trainer's GPU
+memory is the training's; the compare copies the base up a chunk at a time, ~25 GB/s over
+PCIe), or on its GPU with ``RLBUS_DELTA_BASE=device`` when it fits (the compare then reads
+both copies at HBM speed and nothing crosses PCIe; a copy that does not fit, leaving
+``DEVICE_HEADROOM`` free, goes to pinned host memory instead). A session records what it sends (`Pending`:
 a delta's positions and values, or a copy of a tensor sent dense) and the snapshot takes it
 only when finish commits, so an aborted or failed push leaves it at the last commit: the
 next delta is still taken against bits every worker holds (and a worker that does not hold
@@ -16,6 +21,7 @@ the tensor plus its unapplied delta are the committed bits.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +88,31 @@ class Pending:
         return before
 
 
+BASE_ENV = "RLBUS_DELTA_BASE"
+"""``device``: keep a GPU tensor's committed copy on its GPU when it fits; else (the default)
+in pinned host memory."""
+
+DEVICE_HEADROOM = 1 << 30
+"""GPU bytes left free when a committed copy is put on the device."""
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of a tensor's bits (the snapshot owns it)."""
+    """A contiguous host copy of a tensor's bits (the snapshot owns it); pinned when it comes
+    from a GPU, so the device compare copies it back up asynchronously and at full speed."""
     t = t.detach()
-    return t.to("cpu", copy=True).contiguous() if t.device.type != "cpu" else t.contiguous().clone()
+    if t.device.type == "cpu":
+        return t.contiguous().clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out
+
+
+def committed_copy(t: torch.Tensor) -> torch.Tensor:
+    """The snapshot's copy of a tensor just sent: on its device when ``RLBUS_DELTA_BASE=device``
+    asks for it and it fits (see the module's docstring), else :func:`host_copy`."""
+    t = t.detach()
+    if t.device.type == "cuda" and os.environ.get(BASE_ENV, "").strip().lower() == "device":
+        free, _ = torch.cuda.mem_get_info(t.device)
+        if t.numel() * t.element_size() + DEVICE_HEADROOM <= free:
+            return t.contiguous().clone()
+    return host_copy(t)

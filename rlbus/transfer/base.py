@@ -79,9 +79,11 @@ class TrainerTransfer(Protocol):
         ...
 
     def send(self, buf: torch.Tensor) -> Handle:
-        """Start sending the next bucket (a contiguous CPU uint8 tensor) to every worker.
+        """Start sending the next bucket (a contiguous uint8 tensor) to every worker.
 
-        ``buf`` must not be modified until the handle's ``wait()`` returned.
+        ``buf`` is sent where it lies when it is on the group's device (``device``: the host
+        for gloo and shm, the GPU for nccl), else staged onto it. It must not be modified
+        until the handle's ``wait()`` returned.
         """
         ...
 
@@ -117,8 +119,9 @@ class WorkerTransfer(Protocol):
         ...
 
     def recv(self, buf: torch.Tensor) -> Handle:
-        """Start receiving the next bucket into ``buf`` (contiguous CPU uint8 of exactly
-        the bucket's size). Receives complete in the order they were started."""
+        """Start receiving the next bucket into ``buf`` (contiguous uint8 of exactly the
+        bucket's size; on the group's device it is received in place, elsewhere through a
+        staging buffer). Receives complete in the order they were started."""
         ...
 
     def close(self) -> None:

@@ -175,15 +175,24 @@ def pack(
     """Copy the bytes of every tensor of bucket ``bucket_index`` into ``out``.
 
     ``metas`` may hold every ParamMeta of the plan or just this bucket's. ``out`` is
-    a contiguous CPU uint8 buffer of at least the bucket's size; gaps between
-    tensors (and up to the last tensor's aligned end) are zeroed. Returns ``out``.
-    Small contiguous CPU tensors are copied with one memmove each, not through two
-    torch views (~1 us a tensor instead of ~6); big ones with torch, which uses every core.
+    a contiguous uint8 buffer of at least the bucket's size, on any device (the group's: CUDA
+    for NCCL, so GPU tensors are packed where they live); gaps between tensors (and up to the
+    last tensor's aligned end) are zeroed. Returns ``out``. On the host, small contiguous
+    tensors are copied with one memmove each, not through two torch views (~1 us a tensor
+    instead of ~6); big ones, and any off the host, with torch.
     """
-    if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
-        raise PlanError("pack needs a contiguous CPU uint8 output buffer")
+    if out.dtype != torch.uint8 or not out.is_contiguous():
+        raise PlanError("pack needs a contiguous uint8 output buffer")
     mine = sorted((m for m in metas if m.bucket == bucket_index), key=lambda m: m.offset)
+    host = out.device.type == "cpu"
     base, size = out.data_ptr(), out.numel()
+
+    def zero(a: int, b: int) -> None:
+        if host:
+            ctypes.memset(base + a, 0, b - a)
+        else:
+            out[a:b].zero_()
+
     pos = 0
     for m in mine:
         t = named_lookup.get(m.name)
@@ -194,16 +203,16 @@ def pack(
         if m.offset + m.nbytes > size:
             raise PlanError(f"tensor {m.name!r} does not fit the output buffer")
         if m.offset > pos:
-            ctypes.memset(base + pos, 0, m.offset - pos)
+            zero(pos, m.offset)
         if m.nbytes:
-            if m.nbytes < _MEMMOVE_BELOW and t.is_cpu and t.is_contiguous():
+            if host and m.nbytes < _MEMMOVE_BELOW and t.is_cpu and t.is_contiguous():
                 ctypes.memmove(base + m.offset, t.data_ptr(), m.nbytes)
             else:
                 out[m.offset : m.offset + m.nbytes].copy_(as_bytes(t))
         pos = max(pos, m.offset + m.nbytes)
     tail = min(align_up(pos), size)
     if tail > pos:
-        ctypes.memset(base + pos, 0, tail - pos)
+        zero(pos, tail)
     return out
 
 
@@ -223,13 +232,14 @@ def unpack(buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta]) -> list[tupl
 def copy_out(
     buf: torch.Tensor, metas_of_bucket: Sequence[ParamMeta], into: Mapping[str, torch.Tensor]
 ) -> list[tuple[str, torch.Tensor]]:
-    """Copy every tensor of a bucket straight into ``into[name]`` and return ``(name, that
-    tensor)``; a tensor with no such destination (missing, strided, another size, or big:
-    torch copies those faster) comes back as a view into ``buf``, as :func:`unpack` gives."""
+    """Copy every tensor of a host bucket straight into ``into[name]`` and return ``(name, that
+    tensor)``; a tensor with no such destination (missing, strided, another size, off the host,
+    or big: torch copies those faster) comes back as a view into ``buf``, as :func:`unpack`
+    gives."""
     base = buf.data_ptr()
     out: list[tuple[str, torch.Tensor]] = []
     for m in metas_of_bucket:
-        d = into.get(m.name) if m.encoding == "dense" else None
+        d = into.get(m.name) if m.encoding == "dense" and buf.is_cpu else None
         if (
             d is not None
             and m.nbytes < _MEMMOVE_BELOW

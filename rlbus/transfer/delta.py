@@ -14,11 +14,19 @@ int32 indices while they beat dense (bf16: 6 bytes a changed element against 2 a
 so up to ~1/3 changed), the bitmap beyond (numel/8 + 2 bytes a changed one, up to ~15/16):
 by bytes alone the bitmap wins from ~3%, but decoding it reads every element (see
 :func:`choose`). The layout sizes live in buckets.py (validate checks them).
+
+Where it runs: on the tensor's device. A GPU tensor is compared, encoded (its int32 delta's
+blob built in GPU memory, ready for an NCCL bucket) and applied with torch ops there
+(:func:`_diff_torch`, :func:`write`); its base may be on the same GPU or in pinned host memory
+(then each chunk of the base is copied up as it is compared). A host tensor is compared by
+numpy a cache-sized slice at a time (:func:`_scan`), which beats torch's kernels on CPU;
+``RLBUS_DELTA=device`` runs the torch path on the host too (so CI exercises it).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -37,7 +45,7 @@ from rlbus.transfer.buckets import (
     dtype_name,
     torch_dtype,
 )
-from rlbus.transfer.checksum import checksum
+from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22
@@ -138,17 +146,85 @@ def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return _element_positions(a, b)
 
 
+DEVICE_ENV = "RLBUS_DELTA"
+"""``device``: compare, encode and apply host tensors with the torch code GPU tensors use."""
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s delta takes the torch (device) path: off the host, or forced there."""
+    return t.device.type != "cpu" or os.environ.get(DEVICE_ENV, "").strip().lower() == "device"
+
+
 def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[int, Delta | None]:
     """How many elements of ``new`` differ from ``base`` in their bits, and the delta in the
     form :func:`choose` picks (None when dense is no bigger). Nothing changed: (0, an empty
     Delta). On the host, numpy compares 8-byte words a cache-sized slice at a time (see
-    :func:`_scan`); elsewhere, torch on the tensor's device."""
+    :func:`_scan`); elsewhere, torch on the tensor's device (:func:`_diff_torch`)."""
     a, b = _pair(new, base)
     shape, dtype = tuple(new.shape), new.dtype
-    found = _scan(a, b, _int32_limit(a.numel(), a.element_size())) if a.device.type == "cpu" else None
+    if on_device(a):
+        return _diff_torch(a, b, shape, dtype)
+    found = _scan(a, b, _int32_limit(a.numel(), a.element_size()))
     if found is not None:
         return _finish(a, b, found, shape, dtype)
     return _diff(a, b, shape, dtype)
+
+
+DEVICE_CHUNK = 1 << 24
+"""Elements compared at a time by :func:`_diff_torch` off the host (a 16 MiB mask)."""
+
+
+def _part(b: torch.Tensor, s: int, e: int, device: torch.device) -> torch.Tensor:
+    """``b[s:e]`` on ``device`` (a base in pinned host memory is copied up a chunk at a time)."""
+    c = b[s:e]
+    return c if c.device == device else c.to(device, non_blocking=True)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Delta:
+    blob = torch.empty(0, dtype=torch.uint8, device=device)
+    return Delta(index="int32", changed=0, blob=blob, shape=shape, dtype=dtype)
+
+
+def _diff_torch(
+    a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[int, Delta | None]:
+    """The delta with torch ops on ``a``'s device, in one chunked pass over both copies: the
+    elements' integer views compared, the changed positions (int32) and new bits gathered while
+    the chunk is fresh, and an int32 delta's blob assembled on the device. More changed than
+    int32 indices can beat: the general way (:func:`_diff`)."""
+    numel, itemsize, dev = a.numel(), a.element_size(), a.device
+    limit = _int32_limit(numel, itemsize)
+    if numel > 2**31:
+        return _diff(a, b, shape, dtype)
+    step = DEVICE_CHUNK if dev.type != "cpu" else _CHUNK
+    where: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    k = 0
+    for s in range(0, numel, step):
+        ca = a[s : s + step]
+        hit = torch.nonzero(torch.ne(ca, _part(b, s, s + ca.numel(), dev))).squeeze(1)
+        if not hit.numel():
+            continue
+        k += hit.numel()
+        if k > limit:
+            return _diff(a, b, shape, dtype)
+        values.append(ca[hit])
+        where.append(hit.add_(s).to(torch.int32))
+    if k == 0:
+        return 0, _empty(shape, dtype, dev)
+    cost = sizes(k, numel, itemsize)
+    index = choose(cost)
+    if cost[index] >= cost["dense"]:
+        return k, None
+    if index != "int32":
+        return k, _build(a, torch.cat(where).to(torch.int64), None, index, shape, dtype)
+    inb = delta_index_nbytes("int32", k, numel)
+    voff = align_up(inb, VALUES_ALIGN)
+    blob = torch.empty(voff + k * itemsize, dtype=torch.uint8, device=dev)
+    blob[inb:voff].zero_()
+    torch.cat(where, out=blob[:inb].view(torch.int32))
+    torch.cat(values, out=blob[voff:].view(a.dtype))
+    return k, Delta(index="int32", changed=k, blob=blob, shape=shape, dtype=dtype)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, Delta | None]:
@@ -157,7 +233,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], dtype: torch
     numel, itemsize = a.numel(), a.element_size()
     k = _count(a, b)
     if k == 0:
-        return 0, Delta(index="int32", changed=0, blob=torch.empty(0, dtype=torch.uint8), shape=shape, dtype=dtype)
+        return 0, _empty(shape, dtype, a.device)
     cost = sizes(k, numel, itemsize)
     index = choose(cost)
     if cost[index] >= cost["dense"]:
@@ -210,7 +286,9 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
     it when this returns, whatever it returns (and if it raises)."""
     itemsize = a.element_size()
     wa, wb = _words(a), _words(b)
-    if under is not None and (wa is None or wb is None or a.numel() > 2**31 or under.index != "int32"):
+    if under is not None and (
+        wa is None or wb is None or a.numel() > 2**31 or under.index != "int32" or under.blob.device.type != "cpu"
+    ):
         under.apply_to(b)
         under = None
     if wa is None or wb is None or a.numel() > 2**31:
@@ -311,11 +389,14 @@ def _blob(found: _Found, numel: int, dtype: torch.dtype, shape: tuple[int, ...])
     return Delta(index="int32", changed=k, blob=blob, shape=shape, dtype=dtype)
 
 
-def diff_checked(new: torch.Tensor, base: torch.Tensor, under: Delta | None = None) -> tuple[int, Delta | None, str]:
-    """:func:`diff`, and the checksum of ``new``'s bytes (xxh3-128, as
-    :func:`rlbus.transfer.checksum.checksum` gives) when a delta of changed elements came out
-    ("" otherwise: dense tensors are covered by their bucket's checksum). On the host the hash
-    is taken in the same pass as the compare, while each slice is in cache.
+def diff_checked(
+    new: torch.Tensor, base: torch.Tensor, under: Delta | None = None, kind: ChecksumKind | None = None
+) -> tuple[int, Delta | None, str]:
+    """:func:`diff`, and the checksum of ``new``'s bytes (``kind``: the group's algorithm, see
+    :mod:`rlbus.transfer.checksum`; None: the default for ``new``'s device) when a delta of
+    changed elements came out ("" otherwise: dense tensors are covered by their bucket's
+    checksum). On the host an xxh3 hash is taken in the same pass as the compare, while each
+    slice is in cache.
 
     ``under``: a delta to write onto ``base`` (contiguous) first, the last commit's: on the host
     it is written a slice at a time as the compare reaches it. ``base`` holds it afterwards."""
@@ -327,18 +408,26 @@ def diff_checked(new: torch.Tensor, base: torch.Tensor, under: Delta | None = No
         if under is not None:
             under.apply_to(base)  # the caller handed it over: base holds it, whatever happens
         raise
-    if a.device.type != "cpu":
+    if kind is None:
+        kind = "device" if a.device.type != "cpu" else checksum_kind()
+
+    def digest(k: int, d: Delta | None) -> str:
+        return checksum(a.view(torch.uint8), kind) if k and d is not None else ""
+
+    if on_device(a):
         if under is not None:
             under.apply_to(base)
-        k, d = _diff(a, b, tuple(new.shape), new.dtype)
-        return k, d, checksum(a.cpu().view(torch.uint8)) if k and d is not None else ""
-    hasher = xxhash.xxh3_128()
+        k, d = _diff_torch(a, b, tuple(new.shape), new.dtype)
+        return k, d, digest(k, d)
+    hasher = xxhash.xxh3_128() if kind == "xxh3" else None
     found = _scan(a, b, _int32_limit(a.numel(), a.element_size()), hasher, under)
     if found is not None:
         k, d = _finish(a, b, found, tuple(new.shape), new.dtype)
-        return k, d, hasher.hexdigest() if k and d is not None else ""
+        if hasher is not None:
+            return k, d, hasher.hexdigest() if k and d is not None else ""
+        return k, d, digest(k, d)
     k, d = _diff(a, b, tuple(new.shape), new.dtype)
-    return k, d, checksum(a.view(torch.uint8)) if k and d is not None else ""
+    return k, d, digest(k, d)
 
 
 def _finish(
@@ -362,12 +451,12 @@ def _count(a: torch.Tensor, b: torch.Tensor) -> int:
     k = 0
     for s in range(0, a.numel(), _CHUNK):
         m = _scratch.bools(min(_CHUNK, a.numel() - s)) if a.device.type == "cpu" else None
-        k += int(torch.count_nonzero(torch.ne(a[s : s + _CHUNK], b[s : s + _CHUNK], out=m)))
+        k += int(torch.count_nonzero(torch.ne(a[s : s + _CHUNK], _part(b, s, s + _CHUNK, a.device), out=m)))
     return k
 
 
 def _element_positions(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.device.type == "cpu":
+    if a.device.type == "cpu" and b.device.type == "cpu":
         na, nb = a.numpy(), b.numpy()
         mask = _scratch.bools(min(_CHUNK, na.size)).numpy()
         found = []
@@ -380,16 +469,18 @@ def _element_positions(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(found)) if found else torch.empty(0, dtype=torch.int64)
     parts = []
     for s in range(0, a.numel(), _CHUNK):
-        hit = torch.nonzero(a[s : s + _CHUNK] != b[s : s + _CHUNK]).squeeze(1)  # type: ignore[assignment]
+        hit = torch.nonzero(a[s : s + _CHUNK] != _part(b, s, s + _CHUNK, a.device)).squeeze(1)  # type: ignore[assignment]
         if hit.numel():  # type: ignore[attr-defined]
             parts.append(hit + s)
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=a.device)  # type: ignore[arg-type]
 
 
 def _pair(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both as flat integer views; the base on the tensor's device or on the host (pinned
+    memory a device tensor's compare copies up a chunk at a time)."""
     if new.dtype != base.dtype or new.shape != base.shape:
         raise PlanError(f"delta base is {base.dtype}{list(base.shape)}, the tensor {new.dtype}{list(new.shape)}")
-    if new.device != base.device:
+    if new.device != base.device and base.device.type != "cpu":
         raise PlanError(f"delta base is on {base.device}, the tensor on {new.device}")
     return bits(new.contiguous()), bits(base.contiguous())
 
@@ -403,12 +494,12 @@ def _build(
     dtype: torch.dtype,
     changed: int | None = None,
 ) -> Delta:
-    """The blob (on the host): from positions, or (bitmap) from the element masks of a vs b."""
+    """The blob (on ``a``'s device): from positions, or (bitmap) from the element masks of a vs b."""
     numel, itemsize = a.numel(), a.element_size()
     k = pos.numel() if pos is not None else int(changed or 0)
     inb = delta_index_nbytes(index, k, numel)
     voff = align_up(inb, VALUES_ALIGN)
-    blob = torch.empty(voff + k * itemsize, dtype=torch.uint8)
+    blob = torch.empty(voff + k * itemsize, dtype=torch.uint8, device=a.device)
     blob[inb:voff].zero_()
     values = blob[voff:].view(a.dtype)
     if pos is not None:
@@ -421,7 +512,7 @@ def _build(
         assert b is not None
         at = 0
         for s in range(0, numel, _CHUNK):  # _CHUNK is a multiple of 8: each chunk packs to whole bytes
-            m = torch.ne(a[s : s + _CHUNK], b[s : s + _CHUNK])
+            m = torch.ne(a[s : s + _CHUNK], _part(b, s, s + _CHUNK, a.device))
             blob[s // 8 : (s + m.numel() + 7) // 8].copy_(pack_mask(m))
             got = torch.masked_select(a[s : s + _CHUNK], m)
             values[at : at + got.numel()].copy_(got)
@@ -454,7 +545,7 @@ def pack_bits(positions: torch.Tensor, numel: int) -> torch.Tensor:
 
 def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
     """A bool per element of a bitmap (bits past numel included, up to a multiple of 8)."""
-    return torch.from_numpy(np.unpackbits(bitmap.numpy(), bitorder="little")).view(torch.bool)
+    return torch.from_numpy(np.unpackbits(bitmap.cpu().numpy(), bitorder="little")).view(torch.bool)
 
 
 def decode(blob: torch.Tensor, m: ParamMeta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -501,12 +592,9 @@ def _ascending(where: np.ndarray) -> bool:
 def write(out: torch.Tensor, blob: torch.Tensor, m: ParamMeta) -> None:
     """Decode a received delta and write it onto ``out`` (its base, contiguous); DeltaError,
     before anything is written, if its bytes are inconsistent. A bitmap on the host is applied
-    a chunk at a time, never expanded to a position list or a full-size mask."""
+    a chunk at a time, never expanded to a position list or a full-size mask. On a device (or
+    forced there, see :func:`on_device`) it is decoded and scattered with torch ops there."""
     global _POPCOUNT
-    if out.device.type != "cpu" or blob.device.type != "cpu":
-        where, values = decode(blob, m)
-        apply(out, where, values)
-        return
     if problem := delta_layout_problem(m):
         raise DeltaError(f"delta of {m.name!r}: {problem}")
     if blob.dtype != torch.uint8 or blob.numel() != m.nbytes:
@@ -517,6 +605,10 @@ def write(out: torch.Tensor, blob: torch.Tensor, m: ParamMeta) -> None:
         or out.element_size() != torch_dtype(m.dtype).itemsize
     ):
         raise DeltaError(f"delta of {m.name!r} is applied onto a contiguous tensor of its shape")
+    if on_device(out) or blob.device.type != "cpu":
+        where, values = decode(blob, m)
+        apply(out, where, values)
+        return
     numel = out.numel()
     if m.index == "int32":  # numpy, on the int32 indices as they came: no int64 copy of them
         where = blob[: m.index_nbytes].numpy().view(np.int32)  # type: ignore[assignment]

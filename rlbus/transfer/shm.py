@@ -28,6 +28,7 @@ import xxhash
 from rlbus.schemas import TransferInit
 from rlbus.transfer.base import Handle, TransferError, ViewHandle, timeout_error
 from rlbus.transfer.buckets import align_up
+from rlbus.transfer.checksum import checksum_kind
 from rlbus.transfer.rendezvous import connect_store, host_store
 
 JOINED = "shm/joined"
@@ -105,7 +106,10 @@ class ShmTrainer:
 
     A :class:`~rlbus.transfer.base.SharedMemoryTrainer` (it has :meth:`alloc`)."""
 
+    device = torch.device("cpu")
+
     def __init__(self, slot_bytes: int = 0) -> None:
+        self.checksum_kind = checksum_kind("shm")
         self._slot_hint = slot_bytes
         self._store: _Store | _NotOpen = _NotOpen()
         self._raw: dist.TCPStore | None = None
@@ -133,6 +137,8 @@ class ShmTrainer:
         return self._in_pool(buf) is not None
 
     def _in_pool(self, buf: torch.Tensor) -> tuple[_Segment, int] | None:
+        if buf.device.type != "cpu":
+            return None
         ptr = buf.data_ptr()
         for seg in self._pools:
             base = seg.data.data_ptr()
@@ -169,8 +175,8 @@ class ShmTrainer:
         Blocks only while that slot's previous bucket is still being read. The
         handle's ``wait`` returns once every worker copied this bucket out.
         """
-        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
-            raise TransferError("buckets travel as contiguous CPU uint8 tensors")
+        if buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise TransferError("buckets travel as contiguous uint8 tensors")
         k, n = self._seq, buf.numel()
         pooled = self._in_pool(buf)
         if pooled is not None:  # already in shared memory: announce where, copy nothing
@@ -242,7 +248,10 @@ class ShmWorker:
 
     A :class:`~rlbus.transfer.base.SharedMemoryWorker` (it has :meth:`recv_view`)."""
 
+    device = torch.device("cpu")
+
     def __init__(self) -> None:
+        self.checksum_kind = checksum_kind("shm")
         self._store: _Store | _NotOpen = _NotOpen()
         self._raw: dist.TCPStore | None = None
         self._segs: dict[str, _Segment] = {}
@@ -272,8 +281,8 @@ class ShmWorker:
 
         Waiting on a later handle first completes every earlier one, in order.
         """
-        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
-            raise TransferError("buckets travel as contiguous CPU uint8 tensors")
+        if buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise TransferError("buckets travel as contiguous uint8 tensors")
         k = self._seq
         self._posted[k] = buf
         self._seq += 1

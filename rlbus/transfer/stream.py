@@ -16,6 +16,12 @@ compares it with what it hashed before it reports "staged and verified"):
 
 The receiver hashes bucket ``k`` and hands its tensors to the sink while bucket ``k+1``
 arrives, and returns the checksums it computed (or checks them against ``expected``).
+
+Everything happens on the group's device (:func:`transfer_device`): over NCCL the trainer's
+scratch buckets are GPU memory, GPU tensors are packed into them (or sent from their own
+memory), hashed there with the device checksum and broadcast; workers receive into GPU
+buffers (or straight into a live parameter), hash there and hand device views to the sink.
+The same code runs with the host as the device for gloo and shm.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from rlbus.transfer.base import (
     WorkerTransfer,
 )
 from rlbus.transfer.buckets import align_up, by_bucket, copy_out, pack, plan, unpack, validate
-from rlbus.transfer.checksum import checksum
+from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 Named = Sequence[tuple[str, torch.Tensor]]
@@ -85,21 +91,29 @@ def prepare(named: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_tensors:
     return Plan(params=params, bucket_sizes=sizes, per_bucket=by_bucket(params, len(sizes)))
 
 
-def alloc_buffers(nbytes: int, count: int = 2) -> list[torch.Tensor]:
-    """``count`` uint8 buffers of ``nbytes``, pages already touched (zeroed)."""
-    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
+def alloc_buffers(nbytes: int, count: int = 2, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """``count`` uint8 buffers of ``nbytes`` on ``device``, pages already touched (zeroed)."""
+    return [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+
+
+def transfer_device(transfer: object) -> torch.device:
+    """Where a transfer's group moves bytes from and to (its ``device``: CUDA for nccl, the host
+    for gloo and shm): buckets are packed, hashed and received there, so nothing crosses
+    PCIe but what a caller's own buffer asks for (a host landing buffer over NCCL: staging)."""
+    return torch.device(getattr(transfer, "device", "cpu"))
 
 
 def sole_tensor_bytes(
     metas: Sequence[ParamMeta], size: int, tensors: Mapping[str, torch.Tensor]
 ) -> torch.Tensor | None:
-    """The bytes of a bucket that is exactly one contiguous CPU tensor, as a uint8 view of
-    that tensor's own memory (None otherwise). The trainer sends such a bucket from the
-    tensor itself; an in_place worker receives it straight into its live parameter."""
+    """The bytes of a bucket that is exactly one contiguous tensor, as a uint8 view of that
+    tensor's own memory, on whatever device it lives (None otherwise). The trainer sends such a
+    bucket from the tensor itself; an in_place worker receives it straight into its live
+    parameter (a transport stages it only if it lives off the group's device)."""
     if len(metas) != 1 or metas[0].offset != 0 or metas[0].nbytes != size or metas[0].encoding != "dense":
         return None
     t = tensors.get(metas[0].name)
-    if t is None or t.device.type != "cpu" or not t.is_contiguous():
+    if t is None or not t.is_contiguous():
         return None
     return t.detach().reshape(-1).view(torch.uint8)
 
@@ -130,9 +144,13 @@ def scratch_pair(tx: TrainerTransfer, need: int) -> list[torch.Tensor]:
     (``need``: :func:`scratch_bytes` with ``pack_every_bucket=packs_every_bucket(tx)``).
 
     From ``tx.alloc`` when ``tx`` is a :class:`SharedMemoryTrainer` (workers then copy
-    straight out of them; they live until ``tx.close()``), else plain host memory.
+    straight out of them; they live until ``tx.close()``), else on the group's device
+    (:func:`transfer_device`: GPU memory for nccl, where the tensors are packed and hashed).
     """
-    pair = tx.alloc(2 * need) if isinstance(tx, SharedMemoryTrainer) else torch.empty(2 * need, dtype=torch.uint8)
+    if isinstance(tx, SharedMemoryTrainer):
+        pair = tx.alloc(2 * need)
+    else:
+        pair = torch.empty(2 * need, dtype=torch.uint8, device=transfer_device(tx))
     return [pair[:need], pair[need:]]
 
 
@@ -157,6 +175,7 @@ def send_stream(
     The tensors must not change until this returns.
     """
     lookup = _lookup(named)
+    kind = group_checksum_kind(tx)
     last = len(p.bucket_sizes) if last is None else last
     if not 0 <= first <= last <= len(p.bucket_sizes):
         raise PlanError(f"bucket range {first}..{last} outside the plan's {len(p.bucket_sizes)} buckets")
@@ -164,9 +183,10 @@ def send_stream(
         return []
     need = scratch_bytes(p, lookup, pack_every_bucket=pack_every_bucket)
     if scratch is None or len(scratch) < 2 or min(b.numel() for b in scratch[:2]) < need:
-        scratch = alloc_buffers(need)
+        scratch = alloc_buffers(need, device=transfer_device(tx))
+    dev = transfer_device(tx)
     slot, slot_sent = 0, [None, None]  # the send that last used each scratch buffer
-    window: list[Handle] = []
+    window: list[tuple[Handle, torch.Tensor]] = []  # each send with the bytes it must keep alive
     sums: list[str] = []
     for k in range(first, last):
         size = p.bucket_sizes[k]
@@ -176,31 +196,44 @@ def send_stream(
             if slot_sent[slot] is not None:
                 slot_sent[slot].wait()  # type: ignore[attr-defined, union-attr]
             buf = pack(k, p.per_bucket[k], lookup, scratch[slot][:size])
-        sums.append(checksum(buf))  # type: ignore[arg-type]
+        elif buf.device != dev:  # type: ignore[union-attr]
+            buf = buf.to(dev)  # type: ignore[union-attr]  # staged: hashed and sent from the group's device
+        sums.append(checksum(buf, kind, seed=k - first))  # type: ignore[arg-type]
         if len(window) == 2:
-            window.pop(0).wait()
-        window.append(tx.send(buf))  # type: ignore[arg-type]
+            window.pop(0)[0].wait()
+        window.append((tx.send(buf), buf))  # type: ignore[arg-type]
         if packed:
-            slot_sent[slot], slot = window[-1], 1 - slot  # type: ignore[call-overload]
-    for h in window:
+            slot_sent[slot], slot = window[-1][0], 1 - slot  # type: ignore[call-overload]
+    for h, _ in window:
         h.wait()
     return sums
 
 
-def pack_all(p: Plan, named: Named | Mapping[str, torch.Tensor], *, pool: torch.Tensor | None = None) -> Packed:
-    """Pack every bucket once into a pool (reused when big enough) and hash it."""
+def pack_all(
+    p: Plan,
+    named: Named | Mapping[str, torch.Tensor],
+    *,
+    pool: torch.Tensor | None = None,
+    kind: ChecksumKind | None = None,
+    device: torch.device | str = "cpu",
+) -> Packed:
+    """Pack every bucket once into a pool (reused when big enough; else allocated on ``device``,
+    the group's) and hash it (``kind``: the group's algorithm, :func:`group_checksum_kind`;
+    None: the default)."""
     lookup = _lookup(named)
     offsets, end = [], 0
     for size in p.bucket_sizes:
         offsets.append(end)
         end = align_up(end + size)
     if pool is None or pool.numel() < end:
-        pool = torch.empty(end, dtype=torch.uint8)
+        pool = torch.empty(end, dtype=torch.uint8, device=device)
     buffers = [
         pack(k, p.per_bucket[k], lookup, pool[off : off + size])
         for k, (off, size) in enumerate(zip(offsets, p.bucket_sizes))
     ]
-    return Packed(plan=p, pool=pool, buffers=buffers, checksums=[checksum(b) for b in buffers])
+    return Packed(
+        plan=p, pool=pool, buffers=buffers, checksums=[checksum(b, kind, seed=k) for k, b in enumerate(buffers)]
+    )
 
 
 def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
@@ -247,6 +280,7 @@ def recv_buckets(
     time out.
     """
     validate(params, buckets)
+    kind = group_checksum_kind(rx)
     per_bucket = by_bucket(params, len(buckets))
     biggest = max((b.nbytes for b in buckets), default=0)
     sums: list[str] = []
@@ -258,33 +292,46 @@ def recv_buckets(
         # allocated (and pre-touched) only once a bucket has no landing buffer of its own
         if not bufs:
             usable = scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest
-            bufs.extend(scratch if usable else alloc_buffers(biggest))  # type: ignore[arg-type]
+            bufs.extend(scratch if usable else alloc_buffers(biggest, device=transfer_device(rx)))  # type: ignore[arg-type]
         return bufs[k % 2][: buckets[k].nbytes]
 
     shared = rx if isinstance(rx, SharedMemoryWorker) else None
+    dev = transfer_device(rx)
 
-    def post(k: int) -> tuple[torch.Tensor | None, Handle | ViewHandle]:
+    def post(k: int) -> tuple[torch.Tensor | None, torch.Tensor | None, Handle | ViewHandle]:
         """Start receiving bucket k: into its landing buffer (the tensor's final memory) if
-        it has one, else as a view where the transport holds it (shm: no copy at all; None),
-        else into scratch, to be copied out."""
+        it has one on the group's device, else as a view where the transport holds it (shm: no
+        copy at all; None), else into scratch, to be copied out. A landing buffer elsewhere
+        (a host copy over NCCL) is filled once the bucket was hashed on the group's device."""
         got = landing(buckets[k], per_bucket[k]) if landing is not None else None
-        if got is not None and got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous():
-            return got, rx.recv(got)
+        if got is not None and not (
+            got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous()
+        ):
+            got = None
+        if got is not None and got.device == dev:
+            return got, None, rx.recv(got)
         if shared is not None:
-            return None, shared.recv_view(buckets[k].nbytes)
+            return None, got, shared.recv_view(buckets[k].nbytes)
         buf = scratch_for(k)
-        return buf, rx.recv(buf)
+        return buf, got, rx.recv(buf)
 
     nxt = post(0)
     for k in range(len(buckets)):
-        buf, pending = nxt
+        into_buf, land, pending = nxt
         view = pending.wait()
         if k + 1 < len(buckets):
             nxt = post(k + 1)
-        if buf is None:
-            buf = view
-        sums.append(checksum(buf))  # type: ignore[arg-type]
-        copied = into is not None and (view is not None or any(buf.data_ptr() == b.data_ptr() for b in bufs))  # type: ignore[union-attr]
+        buf = into_buf if into_buf is not None else view
+        assert buf is not None
+        sums.append(checksum(buf, kind, seed=k))
+        if land is not None:  # hashed where it arrived, then landed where the caller keeps it
+            land.copy_(buf)
+            buf = land
+        copied = (
+            into is not None
+            and land is None
+            and (view is not None or any(buf.data_ptr() == b.data_ptr() for b in bufs))
+        )
         for name, tensor in copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k]):  # type: ignore[arg-type]
             sink(name, tensor)
         if isinstance(pending, ViewHandle):
@@ -292,6 +339,12 @@ def recv_buckets(
     if expected is not None:
         verify(sums, expected)
     return sums
+
+
+def group_checksum_kind(transfer: object) -> ChecksumKind:
+    """The checksum algorithm of a transfer's group: its ``checksum_kind`` (every rlbus backend
+    has one, chosen from its backend and ``RLBUS_CHECKSUM``), else the default."""
+    return getattr(transfer, "checksum_kind", None) or checksum_kind()
 
 
 def verify(got: Sequence[str], expected: Sequence[str]) -> None:

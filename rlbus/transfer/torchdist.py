@@ -3,8 +3,10 @@
 Each transfer builds its own process group from a TCPStore the trainer hosts,
 never the global default group, so several ranks can live in one process and a
 group can be torn down and rebuilt. Buckets move with one broadcast each from
-rank 0. For nccl, the trainer stages each bucket on its GPU and workers receive
-into a GPU buffer, then copy to the caller's CPU buffer.
+rank 0. A bucket is sent from and received into the caller's buffer where it lies when
+that is the group's device (the host for gloo, the GPU for nccl); a buffer elsewhere is
+staged through one on the group's device (e.g. a host landing buffer over nccl: the
+worker's staged copy kept on the host).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from rlbus.schemas import TransferInit
 from rlbus.transfer.base import Handle, TransferError, timeout_error
+from rlbus.transfer.checksum import checksum_kind
 from rlbus.transfer.rendezvous import connect_store, host_store
 
 TorchBackend = Literal["gloo", "nccl"]
@@ -76,6 +79,8 @@ class _Group:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown torch.distributed backend {backend!r}")
         self.backend = backend
+        self.checksum_kind = checksum_kind(backend)
+        """The group's bucket checksum (see rlbus.transfer.checksum): the same on every rank."""
         self._device = device
         self._pg: dist.ProcessGroup | _NotOpen = _NotOpen()
         self._store: dist.Store | None = None
@@ -201,8 +206,8 @@ def _root0() -> dist.BroadcastOptions:
 
 
 def _check_buf(buf: torch.Tensor) -> None:
-    if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
-        raise TransferError("buckets travel as contiguous CPU uint8 tensors")
+    if buf.dtype != torch.uint8 or not buf.is_contiguous():
+        raise TransferError("buckets travel as contiguous uint8 tensors")
 
 
 class TorchDistTrainer(_Group):
@@ -230,9 +235,10 @@ class TorchDistTrainer(_Group):
         return bound
 
     def send(self, buf: torch.Tensor) -> Handle:
-        """Broadcast ``buf`` from rank 0; the handle completes when it left this rank."""
+        """Broadcast ``buf`` from rank 0; the handle completes when it left this rank. A buffer
+        off the group's device is staged onto it first."""
         _check_buf(buf)
-        if self.backend == "gloo":
+        if buf.device == self.device:
             return self._broadcast(buf, f"sending bucket {self._next()}")
         staging = buf.to(self.device, non_blocking=False)
         return self._broadcast(staging, f"sending bucket {self._next()}", keep=staging)
@@ -253,10 +259,11 @@ class TorchDistWorker(_Group):
             raise
 
     def recv(self, buf: torch.Tensor) -> Handle:
-        """Receive the next broadcast into ``buf`` (exactly the bucket's size)."""
+        """Receive the next broadcast into ``buf`` (exactly the bucket's size), where it lies
+        if it is on the group's device, else through a staging buffer there."""
         _check_buf(buf)
         what = f"receiving bucket {self._next()}"
-        if self.backend == "gloo":
+        if buf.device == self.device:
             return self._broadcast(buf, what)
         staging = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
         return self._broadcast(staging, what, keep=staging, after=lambda: buf.copy_(staging))  # type: ignore[arg-type]

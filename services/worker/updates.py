@@ -40,7 +40,7 @@ from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, Work
 from rlbus.transfer.buckets import as_bytes, validate
 from rlbus.transfer.checksum import checksum
 from rlbus.transfer.factory import worker_transfer
-from rlbus.transfer.stream import recv_buckets, sole_tensor_bytes, verify
+from rlbus.transfer.stream import group_checksum_kind, recv_buckets, sole_tensor_bytes, verify
 
 from .book import Book
 from .engine import Engine
@@ -271,6 +271,7 @@ class WeightUpdates:
         live = self.engine.parameters_of(s.target)
         staged_buffers: set[int] = set()
         deltas = {m.name: m for m in params if m.encoding == "delta"}
+        kind = group_checksum_kind(rx)  # a delta's result is hashed as the trainer hashed it
 
         def landing(bucket: BucketMeta, metas: Sequence[ParamMeta]) -> torch.Tensor | None:
             """Receive straight into final memory: the live parameter (in_place, a bucket that
@@ -302,7 +303,7 @@ class WeightUpdates:
                     return
                 if self.mode == "staged":
                     s.staged[name] = out
-                s.deltas[name] = checksum(as_bytes(out.cpu()))
+                s.deltas[name] = checksum(as_bytes(out), kind)
                 s.received.add(name)
                 return
             if self.mode == "in_place":

@@ -30,8 +30,15 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
     [
         (
             "transfer.py",
-            ["--size-mb", "4", "--receivers", "1", "--reps", "1", "--bucket-mb", "1", "--shm-bucket-mb", "1"],
-            [rf"rlbus/raw\s+=\s+{RATIO}", rf"rlbus/naive\s+=\s+{RATIO}", rf"shm/memcpy\s+=\s+{RATIO}"],
+            ["--size-mb", "4", "--receivers", "1", "--reps", "1", "--bucket-mb", "1", "--shm-bucket-mb", "1"]
+            + ["--ops-mb", "2"],
+            [
+                rf"rlbus/raw\s+=\s+{RATIO}",
+                rf"rlbus/naive\s+=\s+{RATIO}",
+                rf"shm/memcpy\s+=\s+{RATIO}",
+                rf"device checksum .* /memcpy = {RATIO}",
+                rf"device compare .* /memcpy = {RATIO}",
+            ],
         ),
         (
             "push.py",
@@ -50,6 +57,20 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
         ),
         ("control.py", ["--workers", "2", "--rounds", "2"], [rf"^\s+2\s+{RATIO}\s+{RATIO}\s+{RATIO}"]),
         (
+            "device_paths.py",
+            ["--device", "cpu", "--size-mb", "8", "--reps", "1"],
+            [
+                r"^PASS device checksum equals the host's",
+                r"^PASS device delta round trip bit-identical",
+                r"^INFO device checksum throughput: \d+\.\d\d GB/s",
+                r"^PASS bytes stay on the device",
+                r"^PASS bucket checksums agree",
+                r"^PASS delta results bit-identical",
+                rf"^(PASS|INFO) dense push vs raw broadcast: {RATIO}x",
+                rf"^(PASS|INFO) delta push vs dense push: {RATIO}x",
+            ],
+        ),
+        (
             "repair.py",
             ["--size-mb", "8", "--reps", "1", "--bucket-mb", "1"],
             [rf"^\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}$"],
@@ -61,7 +82,7 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
             [rf"^staged\s+\d+Mi.*{RATIO}x", rf"^in_place\s+\d+Mi.*{RATIO}x"],
         ),
     ],
-    ids=["transfer", "push", "push-small", "delta", "control", "repair", "memory"],
+    ids=["transfer", "push", "push-small", "delta", "control", "device-paths", "repair", "memory"],
 )
 def test_benchmark_script_runs_and_prints_its_ratios(script, args, expect):
     out = _run(script, *args)

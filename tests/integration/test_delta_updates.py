@@ -1,8 +1,10 @@
 """Delta weight updates on an in-process fleet serving bfloat16: the trainer keeps float32
 master weights, trains them with Adam, and pushes only the bf16 elements that changed.
 
-One fleet per (transport, update mode): gloo + staged and shm + in_place, each with a draft,
-started once; tests that break the fleet's membership start a small fleet of their own.
+One fleet per (transport, update mode, data-plane path): gloo + staged on the device path run on
+CPU (RLBUS_CHECKSUM=device, RLBUS_DELTA=device: the checksum, compare, encode and apply GPU
+tensors take over NCCL) and shm + in_place on the host path (xxh3, numpy's compare), each with a
+draft, started once; tests that break the fleet's membership start a small fleet of their own.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tests.weights_helpers import new_version, settled  # noqa: F401 - the autou
 
 BF16 = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, seed=0, dtype="bfloat16")
 DRAFT = msgspec.structs.replace(BF16, n_layers=1, seed=1000)
-CONFIGS = [("gloo", "staged"), ("shm", "in_place")]
+CONFIGS = [("gloo", "staged", "device"), ("shm", "in_place", "host")]
 
 
 class Master:
@@ -61,13 +63,17 @@ def assert_fleet_holds(fleet, named, target: str = "main") -> None:
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "-".join(c))
-def config(request) -> tuple[str, str]:
+def config(request) -> tuple[str, str, str]:
     return request.param
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_server, prefix, config):
-    backend, mode = config
+    backend, mode, path = config
+    env = pytest.MonkeyPatch()
+    if path == "device":  # both ends of every group, every whole-tensor check, every compare and write
+        env.setenv("RLBUS_CHECKSUM", "device")
+        env.setenv("RLBUS_DELTA", "device")
     # a generous liveness timeout: a worker dropped and withheld on a loaded box would (rightly) refuse a delta
     async with fleet_running(
         nats_server.url,
@@ -79,6 +85,7 @@ async def fleet(nats_server, prefix, config):
         update_mode=mode,
     ) as running:
         yield running
+    env.undo()
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +123,41 @@ async def test_twenty_delta_pushes_of_an_adam_trained_model_end_bit_identical_on
     # a dense push of the same weights leaves every worker exactly where the deltas did
     await rl.push_weights(named, new_version("dense"))
     assert_fleet_holds(f, named)
+
+
+async def test_a_delta_compared_in_groups_each_while_the_last_travels_ends_bit_identical(fleet, master, monkeypatch):
+    """The next group of tensors is compared while the last one's metadata and buckets travel:
+    four updates, started in order, each compare overlapping the previous send."""
+    from rlbus.sdk import push as P
+
+    f, rl = fleet
+    await _push(rl, master)
+    monkeypatch.setattr(P, "DELTA_GROUP_MIN_BYTES", 1)
+    log: list[str] = []
+    encode, send = rl.push._encode, rl.push._send
+
+    def logged_encode(group):
+        log.append("encode+")
+        try:
+            return encode(group)
+        finally:
+            log.append("encode-")
+
+    async def logged_send(*args):
+        log.append("send+")
+        try:
+            return await send(*args)
+        finally:
+            log.append("send-")
+
+    monkeypatch.setattr(rl.push, "_encode", logged_encode)
+    monkeypatch.setattr(rl.push, "_send", logged_send)
+    master.step()
+    named, st = await _push(rl, master)
+    assert st.committed and st.delta and st.tensors == len(named) and st.compared == st.elements
+    assert_fleet_holds(f, named)
+    assert log.count("encode+") == log.count("send+") == P.DELTA_GROUPS
+    assert log[:3] == ["encode+", "encode-", "send+"] and log.index("encode+", 1) < log.index("send-"), log
 
 
 async def test_the_explicit_lifecycle_sends_deltas_in_two_updates(fleet, master):

@@ -355,13 +355,16 @@ buckets = msgspec.json.decode(args["buckets"].encode(), type=list[BucketMeta])
 rx = worker_transfer(init.backend)
 rx.join(init, args["rank"])
 out = {}
+devices = set()
+def sink(n, v):
+    devices.add(v.device.type)  # where the stream handed the bytes over
+    out[n] = f"{v.dtype}|{list(v.shape)}|{checksum(as_bytes(v.cpu()).clone(), 'xxh3')}"
 try:
-    recv_buckets(rx, params, buckets,
-                 lambda n, v: out.__setitem__(n, f"{v.dtype}|{list(v.shape)}|{checksum(as_bytes(v).clone())}"))
+    recv_buckets(rx, params, buckets, sink)
 except TransferError as e:
     out = {"error": type(e).__name__, "message": str(e)}
 rx.close()
-print(json.dumps(out), flush=True)
+print(json.dumps({"tensors": out, "devices": sorted(devices)}), flush=True)
 """
 
 TRAINER = r"""
@@ -418,7 +421,7 @@ def test_workers_in_separate_processes_receive_identical_tensors(backend):
     for proc, (stdout, stderr) in zip(procs, outs):
         assert proc.returncode == 0, stderr
         assert "leaked" not in stderr and "resource_tracker" not in stderr, stderr
-        assert json.loads(stdout.strip().splitlines()[-1]) == want
+        assert json.loads(stdout.strip().splitlines()[-1]) == {"tensors": want, "devices": ["cpu"]}
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -450,8 +453,10 @@ def test_receiver_whose_sender_dies_gets_an_error_instead_of_hanging(backend):
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="nccl needs two CUDA devices (two ranks cannot share one GPU)",
 )
-def test_nccl_round_trip_between_two_processes_is_bit_identical():
-    named = model(3)
+def test_nccl_round_trip_between_two_processes_is_bit_identical_and_stays_on_the_gpus():
+    """GPU tensors are packed, hashed (the device checksum) and sent on cuda:0; the worker
+    receives, hashes and hands over views on its GPU."""
+    named = [(n, t.to("cuda:0")) for n, t in model(3)]
     p = prepare(named, BUCKET)
     tx = trainer_transfer("nccl")
     bound = tx.bind(new_init("nccl", 1, timeout_s=60.0))
@@ -470,6 +475,7 @@ def test_nccl_round_trip_between_two_processes_is_bit_identical():
     try:
         torch.cuda.set_device(0)
         tx.open(bound)
+        assert tx.checksum_kind == "device"  # type: ignore[attr-defined]
         send_stream(tx, p, named)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -477,4 +483,42 @@ def test_nccl_round_trip_between_two_processes_is_bit_identical():
             proc.kill()
         tx.close()
     assert proc.returncode == 0, stderr
-    assert json.loads(stdout.strip().splitlines()[-1]) == digests(named)
+    want = {n: f"{t.dtype}|{list(t.shape)}|{checksum(as_bytes(t.cpu()).clone(), 'xxh3')}" for n, t in named}
+    assert json.loads(stdout.strip().splitlines()[-1]) == {"tensors": want, "devices": ["cuda"]}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_with_the_device_checksum_forced_both_ends_hash_alike_and_catch_a_bad_or_missing_bucket(backend, monkeypatch):
+    """What NCCL uses, run on CPU over gloo and shm: the trainer's and every worker's checksums
+    are the device checksum of each bucket seeded with its place, a flipped bit and a missing
+    bucket are refused, and the group stays usable."""
+    from rlbus.transfer.checksum import device_checksum
+    from rlbus.transfer.stream import verify
+
+    monkeypatch.setenv("RLBUS_CHECKSUM", "device")
+    named = model()
+    p = prepare(named, BUCKET)
+    packed = pack_all(p, named, kind="device")
+    want = [device_checksum(b, k) for k, b in enumerate(packed.buffers)]
+    assert packed.checksums == want and want != [checksum(b, "xxh3") for b in packed.buffers]
+    sent: list = []
+
+    def worker(rx, rank):
+        got: dict[str, torch.Tensor] = {}
+        sums = recv_buckets(rx, p.params, p.buckets, lambda n, v: got.__setitem__(n, v.clone()))
+        with pytest.raises(ChecksumMismatch):
+            recv_buckets(rx, p.params, p.buckets, lambda n, v: None, expected=want)
+        with pytest.raises(ChecksumMismatch, match="checksum count"):
+            verify(sums[:-1], want)
+        return got, sums
+
+    def trainer(tx):
+        sent.append(send_stream(tx, p, named))
+        packed.buffers[2][0] ^= 0x01  # after its checksum was taken
+        send_all(tx, packed.buffers)
+
+    for res in run_threads(new_init(backend, 2), trainer, worker):
+        assert not isinstance(res, BaseException), res
+        got, sums = res
+        assert sums == sent[0] == want
+        assert all(torch.equal(got[n], t) for n, t in named)

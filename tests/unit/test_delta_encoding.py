@@ -1,5 +1,6 @@
 """Delta encoding (rlbus.transfer.delta): bit-exact round trips, the smallest form, and
-refusal of bytes that do not decode."""
+refusal of bytes that do not decode. Every test runs twice: on the host path (numpy's scan,
+numpy's writes) and on the device path (torch ops, what GPU tensors take) forced on CPU tensors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from rlbus.transfer import delta as D
 from rlbus.transfer.base import PlanError
 from rlbus.transfer.buckets import unpack, validate
 from rlbus.transfer.checksum import checksum
+
+
+@pytest.fixture(autouse=True, params=["host", "device"])
+def path(request, monkeypatch) -> str:
+    if request.param == "device":
+        monkeypatch.setenv(D.DEVICE_ENV, "device")
+    return request.param
 
 
 def _planned(d: D.Delta, offset: int = 0) -> ParamMeta:
@@ -210,6 +218,7 @@ def small_slices(monkeypatch):
     """Slices of 8 words and lanes split every 4 changed words: a small tensor crosses many of both."""
     monkeypatch.setattr(D, "SCAN_WORDS", 8)
     monkeypatch.setattr(D, "LANE_BATCH", 4)
+    monkeypatch.setattr(D, "_CHUNK", 16)  # the torch path's chunks (host tensors), a multiple of 8
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.int64])
@@ -312,3 +321,37 @@ def test_write_refuses_int32_indices_out_of_order_before_writing():
         with pytest.raises(D.DeltaError):
             D.write(out, blob, _planned(d))
         assert _same_bits(out, base)
+
+
+def test_the_device_path_compares_encodes_and_applies_with_torch_ops(monkeypatch, path):
+    """Forced on host tensors, nothing of numpy's host path runs, and the result is the same."""
+    if path != "device":
+        pytest.skip("the device path only")
+
+    def no_numpy(*args, **kwargs):
+        raise AssertionError("the host path ran")
+
+    monkeypatch.setattr(D, "_scan", no_numpy)
+    monkeypatch.setattr(D, "_ascending", no_numpy)
+    monkeypatch.setattr(D, "_CHUNK", 64)
+    base = torch.randn(1000).to(torch.bfloat16)
+    new = _changed(base, [0, 63, 64, 65, 500, 999])
+    k, d, digest = D.diff_checked(new, base)
+    assert k == 6 and d is not None and d.index == "int32" and digest == checksum(new.view(torch.uint8))
+    out = base.clone()
+    D.write(out, d.blob, _planned(d))
+    assert _same_bits(out, new)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("base_on", ["cuda", "pinned"])
+def test_a_gpu_tensor_is_compared_on_the_gpu_against_a_base_there_or_in_pinned_memory(base_on):
+    base = torch.randn(1 << 20).to(torch.bfloat16)
+    new = _changed(base, [1, 2, 4096, 1 << 19])
+    gpu_base = base.cuda() if base_on == "cuda" else base.pin_memory()
+    k, d, digest = D.diff_checked(new.cuda(), gpu_base)
+    assert k == 4 and d is not None and d.blob.device.type == "cuda"
+    assert digest == checksum(new.view(torch.uint8), "device")
+    out = base.cuda()
+    D.write(out, d.blob, _planned(d))
+    assert _same_bits(out.cpu(), new)

@@ -1,12 +1,21 @@
 """The trainer's copy of the committed bits (rlbus.sdk.snapshot): it moves only at a commit,
-and only along the session that was taken against it."""
+and only along the session that was taken against it. Every test runs on the host path and on
+the device path (torch ops) forced on CPU tensors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlbus.sdk.snapshot import Committed, Pending
 from rlbus.transfer import delta as D
+
+
+@pytest.fixture(autouse=True, params=["host", "device"])
+def path(request, monkeypatch) -> str:
+    if request.param == "device":
+        monkeypatch.setenv(D.DEVICE_ENV, "device")
+    return request.param
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -86,3 +95,15 @@ def test_a_tensor_sent_dense_drops_its_unapplied_delta():
     whole = torch.zeros_like(v0)
     after = Pending(base_seq=1, dense={"a": whole}).commit(snap, 2)
     assert not after.unapplied and after.tensor("a") is whole
+
+
+def test_a_delta_update_is_cut_into_at_most_four_ordered_groups_of_about_equal_bytes(monkeypatch, path):
+    from rlbus.sdk import push as P
+
+    named = [(f"t{i}", torch.empty(n, dtype=torch.uint8)) for i, n in enumerate([5, 5, 5, 5, 5, 5, 5, 5, 40])]
+    assert P.delta_groups([]) == [[]]
+    assert [[n for n, _ in g] for g in P.delta_groups(named)] == [[n for n, _ in named]], "small: one group"
+    monkeypatch.setattr(P, "DELTA_GROUP_MIN_BYTES", 1)
+    groups = P.delta_groups(named)
+    assert len(groups) <= P.DELTA_GROUPS and [nt for g in groups for nt in g] == named
+    assert [sum(t.numel() for _, t in g) for g in groups] == [20, 20, 40]
