@@ -76,7 +76,8 @@ async def measure(url: str, a: argparse.Namespace, nbytes: int) -> dict[str, flo
             out["repair"] = min(out["repair"], float(detail_of(ev)["seconds"]))
             fleet.procs[name].terminate()
             fleet.procs.pop(name).wait(60)
-            print(f"  rep {rep}: repaired {name} in {float(detail_of(ev)['seconds']):.2f}s", flush=True)
+            phases = detail_of(ev).get("phases", "")
+            print(f"  rep {rep}: repaired {name} in {float(detail_of(ev)['seconds']):.2f}s ({phases})", flush=True)
 
         # frozen past the liveness timeout while a push commits, then thawed
         frozen = fleet.procs["worker-1"]

@@ -88,6 +88,8 @@ class Repairs:
         """Workers being repaired now, each with its source (server_info, rlbus status)."""
         self.problem = ""
         """Why behind workers wait (no healthy peer, ...); '' when none does."""
+        self.phases: dict[str, float] = {}
+        """The last repair's time per phase, seconds (manifest, group, bytes, verify, commit)."""
         self._backoff: dict[tuple[str, UpdateTarget], _Backoff] = {}
         self._wake = anyio.Event()
 
@@ -215,7 +217,8 @@ class Repairs:
             await self.fleet.event(
                 "worker_repaired",
                 due,
-                f"source={source} target={target} version={version} seq={seq} bytes={nbytes} seconds={seconds:.3f}",
+                f"source={source} target={target} version={version} seq={seq} bytes={nbytes} seconds={seconds:.3f} "
+                f"phases={','.join(f'{k}:{v:.3f}' for k, v in self.phases.items())}",
             )
             return True
 
@@ -269,7 +272,10 @@ class Repairs:
     ) -> int:
         """One repair of `receivers` from `source` (the caller holds the lock); bytes sent."""
         version, seq = self._committed(target)
+        clock = _Phases()
+        self.phases = clock.seconds
         manifest = await self._manifest(target, holders)
+        clock.mark("manifest")
         group = f"rlbus-repair-{uuid.uuid4().hex[:12]}"
         init = TransferInit(
             backend=backend,
@@ -300,6 +306,7 @@ class Repairs:
                 await self.fleet.send(stamped(StartWeightUpdateWorker, session_id=sid, target=target), receivers)
             ).raise_for_failures("repair (opening the session)")
             opened = True
+            clock.mark("group")
             checksums: list[str] = []
             for params, buckets, first, last in chunks(offer.params, offer.buckets):
                 got = await self.fleet.send(
@@ -313,15 +320,18 @@ class Repairs:
                 )
                 sent.raise_for_failures(f"repair (sending from {source})")
                 checksums += sent.answers[source].sent_checksums
+            clock.mark("bytes")
             prepared = await self.fleet.send(
                 stamped(PrepareWorker, session_id=sid, checksums=checksums, tensor_checksums=manifest), receivers
             )
             prepared.raise_for_failures("repair (verifying against the manifest)")
+            clock.mark("verify")
             committed = await self.fleet.send(
                 stamped(CommitWorker, session_id=sid, weight_version=version, seq=seq), receivers
             )
             opened = False
             committed.raise_for_failures("repair (commit)")
+            clock.mark("commit")
             await self.updates.review(committed.acks.values())  # quarantined by a decided commit: released
             return sum(b.nbytes for b in offer.buckets)
         finally:
@@ -382,3 +392,16 @@ def chunks(
                 )
             first, size = k, 0
         size += cost
+
+
+class _Phases:
+    """Seconds per phase of one repair, as they end (the worker_repaired event carries them)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = now - self._last
+        self._last = now
