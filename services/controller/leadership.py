@@ -46,6 +46,9 @@ class Lease:
         self._renewing = anyio.Lock()
         self._settled: tuple[float, Exception | None] = (float("-inf"), None)
         """The last renewal: when it was sent (monotonic) and how it ended."""
+        self._renewed = float("-inf")
+        """When the last renewal that succeeded was sent (monotonic): its record says this
+        controller holds the lease, and no other may take it until `lease_s` after it."""
 
     async def _read(self) -> tuple[LeaseRecord | None, int]:
         value, rev = await self.store.get(KEY)
@@ -112,6 +115,7 @@ class Lease:
             self._settled = (sent, e)
             raise
         self._settled = (sent, None)
+        self._renewed = sent
 
     async def _update_own(self) -> None:
         revision = self._revision
@@ -134,10 +138,21 @@ class Lease:
                 raise Unavailable(self.store.no_quorum("renew the lease", "the lease record's revision keeps moving"))
             await anyio.sleep(0.1)  # back-off between retries, not a wait for a condition
 
-    async def confirm(self) -> None:
+    def proven(self) -> bool:
+        """The lease is provably this controller's now, without a round trip: a renewal that
+        succeeded was sent less than half a lease ago (the keeper renews every quarter), and no
+        other controller may take a record before it is a whole lease old."""
+        return time.monotonic() - self._renewed < self.lease_s / 2
+
+    async def confirm(self, quorum_proven: bool = False) -> None:
         """Before a state-changing command: renew now. A controller whose state store has no
         quorum (a partition, nodes down) or whose lease another took acts on nothing. Commands
-        that arrive together share one renewal (one sent after they all asked)."""
+        that arrive together share one renewal (one sent after they all asked).
+
+        `quorum_proven`: the command's own write just reached the store's quorum (its claim in
+        the answer store): then a lease its expiry proves (`proven`) needs no renewal."""
+        if quorum_proven and self.proven():
+            return
         asked = time.monotonic()
         async with self._renewing:
             sent, error = self._settled

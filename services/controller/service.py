@@ -124,6 +124,8 @@ class ControllerService:
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self.desired = FleetState()
         """What the trainer asked the fleet to be (kept in KV): every admitted worker is brought to it."""
+        self._kv_desired: FleetState | None = None
+        """The desired state as KV holds it (None: not read yet)."""
         self.standby_for: str | None = None
         """While waiting for the lease: the controller that holds it."""
         self.lease_lost = False
@@ -192,12 +194,13 @@ class ControllerService:
         self.updates.withhold = self._resync
         self.repairs = Repairs(self.fleet, self.updates, self.opts.repair)
         await self.updates.leases.load()
-        self.desired = await store.desired()
+        self.desired = self._kv_desired = await store.desired()
 
         async def write_back() -> None:  # the bucket vanished under a running leader: it knows everything
             await store.put_epoch(self.fleet.epoch)
             await store.put_version(self.updates.version)
             await store.put_desired(self.desired)
+            self._kv_desired = self.desired
             await store.put_session(self.updates.session_id)
             await lease.reclaim()
             await self.fleet.event(
@@ -216,7 +219,11 @@ class ControllerService:
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
             await store.put_session(None)
         replies = await ReplyStore.open(
-            self.nc, self.subjects.replies_bucket, self.opts.reply_ttl_s, self.opts.state_replicas
+            self.nc,
+            self.subjects.replies_bucket,
+            self.opts.reply_ttl_s,
+            self.opts.state_replicas,
+            self.opts.state_patience_s,
         )
         async with anyio.create_task_group() as tg:
             self._tg = tg
@@ -264,9 +271,12 @@ class ControllerService:
             tg.cancel_scope.cancel()
 
     def _leading(self, lease: Lease, writes: set[Callable[..., Awaitable[object]]]):
-        """Around every state-changing handler: renew the lease first (a compare-and-set in the
-        state store). Without quorum (nodes down, a partition) the command is UNAVAILABLE before
-        anything is dispatched; with the lease taken, this controller steps down."""
+        """Around every state-changing handler: confirm the lease first. Without quorum (nodes
+        down, a partition) the command is UNAVAILABLE before anything is dispatched; with the
+        lease taken, this controller steps down. A command with an id was claimed in the answer
+        store just before (endpoints.ReplyCache: a quorum write, or it never gets here), so a
+        lease its expiry proves needs no round trip; one without an id renews it (a
+        compare-and-set in the state store)."""
 
         def wrap(handler):
             if handler not in writes:
@@ -279,7 +289,7 @@ class ControllerService:
 
             async def leading(cmd):
                 try:
-                    await lease.confirm()
+                    await lease.confirm(quorum_proven=bool(cmd.command_id))
                 except LeaseLost as e:
                     self._step_down(e)
                     raise Unavailable(
@@ -521,8 +531,10 @@ class ControllerService:
     async def _desire(self, **changes: object) -> None:
         """Record what the trainer asked (before it is carried out: a worker admitted from
         now on is brought to it)."""
-        self.desired = msgspec.structs.replace(self.desired, **changes)
-        await self.store.put_desired(self.desired)
+        self.desired = desired = msgspec.structs.replace(self.desired, **changes)
+        if desired != self._kv_desired:  # written only when it changed (a second pause writes nothing)
+            await self.store.put_desired(desired)
+            self._kv_desired = desired
 
     async def _alongside(self, persist: Awaitable[None], work: Awaitable[T]) -> T:
         """Run `work` (a fan-out) while the desired state is written to KV: the answer waits
