@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import anyio
 import msgspec
@@ -63,7 +62,7 @@ from rlbus.services.metrics import ControllerMetrics, MetricsServer
 
 from . import session as S
 from .fanout import Outcome
-from .fleet import Fleet, stamped
+from .fleet import Fleet, alongside, stamped
 from .leadership import Lease, LeaseLost
 from .pushlease import PUSH_LEASE_S
 from .registry import Registry
@@ -73,7 +72,6 @@ from .updates import Updates
 from .verify import verify_weights
 
 log = logging.getLogger("rlbus.controller")
-T = TypeVar("T")
 
 SERVICE_VERSION = "0.1.0"
 
@@ -536,31 +534,9 @@ class ControllerService:
             await self.store.put_desired(desired)
             self._kv_desired = desired
 
-    async def _alongside(self, persist: Awaitable[None], work: Awaitable[T]) -> T:
-        """Run `work` (a fan-out) while the desired state is written to KV: the answer waits
-        for both, so it is durable when answered, at the cost of the slower of the two."""
-        result: list[T] = []
-        errors: list[Exception] = []
-
-        async def save() -> None:
-            try:
-                await persist
-            except Exception as e:
-                errors.append(e)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(save)
-            try:
-                result.append(await work)
-            except Exception as e:  # a refusal from the fan-out: raised as it is, not in a group
-                errors.insert(0, e)
-        if errors:
-            raise errors[0]
-        return result[0]
-
     async def _pause(self, cmd: Pause) -> FleetAck:
         async with self.fleet.lock:
-            out = await self._alongside(
+            out = await alongside(
                 self._desire(paused=True, pause_mode=cmd.mode, paused_since=self.desired.paused_since or time.time()),
                 self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})"),
             )
@@ -570,7 +546,7 @@ class ControllerService:
     async def _resume(self, cmd: Resume) -> FleetAck:
         async with self.fleet.lock:
             self.updates.refuse_resume()
-            out = await self._alongside(
+            out = await alongside(
                 self._desire(paused=False, pause_mode=None, paused_since=None),
                 self.fleet.send_all(stamped(ResumeWorker), "resume"),
             )
