@@ -190,7 +190,11 @@ async def test_a_late_joiner_takes_no_traffic_until_a_peer_repaired_it_then_a_pu
         while late.book.withheld:  # behind: every reply comes from the others, on v1
             r = await rl.generate([1, 2, 3], 4)
             assert r.worker_id in {"w0", "w1"} and r.weight_version == "v1", "a stale worker answered generation"
-        # repaired over shm from a peer, without a push
+        # repaired over shm from a peer, without a push (the worker serves once its commit is in: the
+        # controller's event follows its answer)
+        await eventually(
+            lambda: [e for e in seen if e.event == "worker_repaired"], timeout=3, what="a worker_repaired event"
+        )
         assert [e.workers for e in seen if e.event == "worker_repaired"] == [["w2"]]
         assert late.book.main.version == "v1"
         assert_holds(f, "w2", v1)
