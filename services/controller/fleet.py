@@ -24,7 +24,7 @@ from rlbus.schemas import (
 )
 from rlbus.services.metrics import ControllerMetrics
 
-from .fanout import Outcome, fan_out
+from .fanout import FanOut, Outcome
 from .registry import Registry
 
 log = logging.getLogger("rlbus.controller")
@@ -49,6 +49,7 @@ class Fleet:
         self.on_lost: Callable[[str, str], Awaitable[None]] = _nobody_listens
         """Called with (worker_id, why) when a fan-out finds a worker gone."""
         self.metrics: ControllerMetrics | None = None
+        self.fan_out = FanOut(nc, subjects)
 
     def ids(self) -> list[str]:
         """Every registered worker in rank order; UNAVAILABLE when there are none."""
@@ -68,7 +69,7 @@ class Fleet:
             if isinstance(build, Stamped)
             else lambda w: build(w, self.epoch, command_id)
         )
-        out = await fan_out(self.nc, self.subjects, workers, command, timeout or self.command_timeout_s)
+        out = await self.fan_out(workers, command, timeout or self.command_timeout_s)
         if self.metrics is not None:
             self.metrics.fanned_out(out.op, out.seconds, [(f.worker_id, f.code) for f in out.failures])
         for state in out.acks.values():
