@@ -16,7 +16,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
-from nats.nuid import NUID
 from rlbus.schemas import (
     ERROR_CODES,
     AnyWorkerCommand,
@@ -76,7 +75,6 @@ class FanOut:
         self._sub: Subscription | None = None
         self._open: dict[str, tuple[Callable[[str, Msg], None], str]] = {}
         """Each reply subject's token a fan-out waits on: what takes the answer, and for which worker."""
-        self._nuid = NUID()
 
     async def _on_answer(self, msg: Msg) -> None:
         waiter = self._open.pop(msg.subject[len(self._inbox) + 1 :], None)
@@ -105,7 +103,8 @@ class FanOut:
             return out
         if self._sub is None:
             self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_answer)
-        tokens = {w: self._nuid.next().decode() + token_hex(4) for w in worker_ids}  # as nats-py's requests
+        noise = token_hex(8 * len(worker_ids))  # 64 random bits per worker, drawn at once
+        tokens = {w: noise[16 * i : 16 * i + 16] for i, w in enumerate(worker_ids)}
         waiting = set(worker_ids)
         sent: dict[str, float] = {}
         all_in = asyncio.get_running_loop().create_future()
