@@ -11,8 +11,8 @@ For each fleet size N, in one process on one event loop, against one embedded na
          answered; the client sends 2 sequential requests per round. Payload sizes match
          rlbus's (command, WorkerAck, FleetAck), and the connections are laid out the same.
 Workers share NATS connections round-robin (--per-conn workers per connection), in both.
-Both fleets run at once and the rounds alternate between them in blocks, so a slow spell of
-a shared machine hits both alike. Median ms per round over --rounds after 3 warm-up rounds;
+Both fleets run at once and the rounds alternate between them (and the sessions) in short
+blocks, so a slow spell of a shared machine hits all alike. Median ms per round over --rounds after 3 warm-up rounds;
 ratio = rlbus / raw (1.0 = the limit).
 kv put: one fsync'd JetStream KV put on the same server (sync_interval: always), timed between
 the blocks. Every state-changing command writes two in series that no fan-out hides: its claim
@@ -57,8 +57,9 @@ from rlbus.runners.natsserver import NatsServer
 from rlbus.sdk.client import RLClient
 
 WARMUP = 3
-BLOCKS = 5
-"""Rounds alternate between rlbus and raw in this many blocks each."""
+BLOCKS = 20
+"""Rounds alternate between rlbus, raw and the session in this many blocks each (short blocks:
+a slow spell of the shared machine falls on all of them alike)."""
 GOAL_NS, GOAL_RATIO, GOAL_SESSION = (8, 64), 1.3, 2.0
 """Issue #27: a round <= 1.3x raw at N = 8 and 64; an empty session <= 2x its raw equivalent."""
 KV_PUTS = 10
@@ -243,13 +244,15 @@ async def measure(
         rl_times: list[float] = []
         raw_times: list[float] = []
         kv_times: list[float] = []
+        session: list[float] = []
+        assert rl.session_round is not None
         block = max(1, rounds // BLOCKS)
         while len(rl_times) < rounds:
-            rl_times += await _timed(rl.round, min(block, rounds - len(rl_times)))
-            raw_times += await _timed(raw.round, min(block, rounds - len(raw_times)))
+            k = min(block, rounds - len(rl_times))
+            rl_times += await _timed(rl.round, k)
+            raw_times += await _timed(raw.round, k)
+            session += await _timed(rl.session_round, k)
             kv_times += await _timed(kv_put, KV_PUTS)
-        assert rl.session_round is not None
-        session = await _timed(rl.session_round, rounds)
         if profiler:
             profiler.enable()
             for _ in range(rounds):
