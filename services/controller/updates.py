@@ -5,15 +5,13 @@ record, the last commit decision and the workers quarantined by it; it sends thr
 
 Finish is a two-phase commit with a durable decision: every worker prepares (verifies what it
 staged); then the decision (version, seq, target, the manifest of checksums) is written to the
-state store, and only then does any worker commit (KV keeps the version while they do; it is
-published on rl.version once they answered). Before the decision any failure aborts
+state store, and only then does any worker commit. Before the decision any failure aborts
 everywhere; from it on the outcome is commit: a worker that fails or misses its commit is
 quarantined (withheld from generation, named) until it holds exactly the committed bits. A
 commit that loaded into an engine cannot be taken back, so the decision is the commit point."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -548,14 +546,10 @@ class Updates:
             raise err
         with anyio.CancelScope(shield=True):  # from the decision on, the commit completes (each worker is bounded)
             decision = await self._decide(committing, cmd, workers)
-            commit = stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq)
-            # from the decision on the version stands: KV keeps it while the workers commit; published after
-            committed, kept = await asyncio.gather(
-                self.fleet.send(commit, workers), self._keep_version(decision.committed), return_exceptions=True
+            committed = await self.fleet.send(
+                stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq), workers
             )
-            if isinstance(committed, BaseException):
-                raise committed
-            return await self._committed(decision, committed, cmd.trainer_id, kept=kept is None)
+            return await self._committed(decision, committed, cmd.trainer_id)
 
     async def _decide(self, committing: S.Committing, cmd: FinishWeightUpdate, workers: list[str]) -> CommitDecision:
         """Every worker prepared: write the decision to the state store, before any worker
@@ -607,29 +601,22 @@ class Updates:
         await self._settle(step.state)
         return decision
 
-    async def _committed(
-        self, decision: CommitDecision, committed: Outcome, trainer_id: str | None, *, kept: bool
-    ) -> FleetAck:
+    async def _committed(self, decision: CommitDecision, committed: Outcome, trainer_id: str | None) -> FleetAck:
         """Phase 2 answered: the decided commit stands whatever the workers said; record it (and
         free `trainer_id`'s push lease), and quarantine every worker that failed or missed it.
-        `kept`: KV holds the version already. Runs shielded, under the lock."""
+        Runs shielded, under the lock."""
         if committed.failures:
             await self._quarantine(decision, committed.failures)
-        await self._record(decision, lambda: self.leases.release(trainer_id), kept=kept)
+        await self._record(decision, lambda: self.leases.release(trainer_id))
         await self.review(committed.acks.values())  # workers it brought to the committed bits again
         return self.ack(committed)
 
-    async def _record(
-        self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None, *, kept: bool = False
-    ) -> None:
-        """The decided version: in the store (unless `kept`: it is), then on rl.version, then the
-        decision marked done, the session closed and `closing` (the push lease freed), those at
-        once. A successor finds a decision not marked done and records it."""
+    async def _record(self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The decided version: in the store, then on rl.version, then the decision marked
+        done, the session closed and `closing` (the push lease freed), those at once. A
+        successor finds a decision not marked done and records it."""
         new = decision.committed
-        if kept:
-            await self._publish_version(new)
-        else:
-            await self._commit_version(new)  # durable before KV forgets the session
+        await self._commit_version(new)  # durable before KV forgets the session
         self.state_lost = False
         self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
         writes: list[Awaitable[None]] = [self.store.put_decision(self.decision)]
@@ -659,16 +646,10 @@ class Updates:
 
     async def _commit_version(self, info: VersionInfo) -> None:
         """Durable first (KV), then the event: a subscriber never sees a version KV lacks."""
-        await self._keep_version(info)
-        await self._publish_version(info)
-
-    async def _keep_version(self, info: VersionInfo) -> None:
         if self.unique_versions:
             await self.store.put_committed(info.version, info.seq)
         await self.store.put_version(info)
         self.version = info
-
-    async def _publish_version(self, info: VersionInfo) -> None:
         await self.fleet.nc.publish(self.fleet.subjects.version, encode(info))
 
     async def abort_weight_update(self, cmd: AbortWeightUpdate) -> FleetAck:
