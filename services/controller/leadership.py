@@ -3,9 +3,11 @@
 A second controller waits in standby until the lease lapses (the leader died or stopped),
 then takes it with a compare-and-set and a new, higher epoch. A leader that finds its lease
 taken (it was paused past the lease, say) steps down: workers would refuse its old epoch anyway.
-Every state-changing command renews the lease first (`confirm`): a leader cut off from the state
+Every state-changing command confirms the lease first (`confirm`): a leader cut off from the state
 store's quorum (a partition, nodes down) can renew nothing, so it acts on nothing, while a standby
-on the majority side takes the lapsed lease.
+on the majority side takes the lapsed lease. A command whose own claim just reached the quorum
+needs no renewal while the last one is under half a lease old (no other controller may take the
+lease before it is a whole lease old; the keeper renews every quarter).
 """
 
 from __future__ import annotations
