@@ -157,7 +157,9 @@ class StoredReply(msgspec.Struct, frozen=True):
 class DurableReplies(Protocol):
     """Where answers outlive the process (the controller: a KV bucket with a TTL)."""
 
-    async def get(self, command_id: str) -> StoredReply | None: ...
+    async def claim(self, command_id: str, running: StoredReply) -> StoredReply | None:
+        """Keep `running` under the id unless the id holds something: then return that."""
+        ...
 
     async def put(self, command_id: str, stored: StoredReply) -> None: ...
 
@@ -218,7 +220,9 @@ class ReplyCache:
         self._running[command_id] = (print_, ev)
         try:
             store = self.durable if durable else None
-            stored = await store.get(command_id) if store is not None else None  # type: ignore[assignment]
+            # kept before it runs (claimed): a retry after a crash mid-run is not run again
+            running = StoredReply(print_, b"", answered=False)
+            stored = await store.claim(command_id, running) if store is not None else None  # type: ignore[assignment]
             if stored is not None:
                 self._check(command_id, print_, stored.fingerprint)
                 if not stored.answered:
@@ -235,8 +239,6 @@ class ReplyCache:
                         ),
                     )
             else:
-                if store is not None:  # kept before it runs: a retry after a crash mid-run is not run again
-                    await store.put(command_id, StoredReply(print_, b"", answered=False))
                 stored = StoredReply(print_, await work())
                 if store is not None:  # kept before it is sent: a retry after a crash gets this answer
                     await store.put(command_id, stored)
@@ -388,7 +390,7 @@ class Endpoints:
             return await self.replies.run(
                 cmd.command_id, print_, work, durable=not route.read, recover=route.recovery(cmd)
             )
-        except RLBusError as e:  # the id was used for another command
+        except RLBusError as e:  # the id was used for another command, or the store could not claim it
             return encode(e.to_nack())
 
     async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes]], *, counted: bool = True) -> None:

@@ -107,6 +107,7 @@ class ControllerMetrics:
             registry=r,
         )
         self._slowest_of: dict[str, str] = {}
+        self._ack_of: dict[tuple[str, str], Histogram] = {}
         self._started: dict[str, tuple[float, str]] = {}
         self._view: ControllerView | None = None
         r.register(_ControllerState(self))
@@ -122,7 +123,10 @@ class ControllerMetrics:
     def fanned_out(self, op: str, times: dict[str, float], failures: Iterable[tuple[str, str]]) -> None:
         """One fan-out's per-worker answer times and its failures (worker, code)."""
         for w, s in times.items():
-            self.ack_seconds.labels(op, w).observe(s)
+            child = self._ack_of.get((op, w))
+            if child is None:  # labels() costs a lookup under a lock: once per (op, worker)
+                child = self._ack_of[(op, w)] = self.ack_seconds.labels(op, w)
+            child.observe(s)
         for w, code in failures:
             self.worker_failures.labels(op, w, code).inc()
         if times:

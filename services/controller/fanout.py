@@ -7,10 +7,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from secrets import token_hex
 
 import anyio
 import msgspec
+from nats.aio.client import NO_RESPONDERS_STATUS as NO_RESPONDERS
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
 from rlbus.schemas import (
     ERROR_CODES,
     AnyWorkerCommand,
@@ -55,52 +60,102 @@ class Outcome(msgspec.Struct):
             raise self.error(what)
 
 
-async def fan_out(
-    nc: Client,
-    subjects: Subjects,
-    worker_ids: list[str],
-    command: AnyWorkerCommand | Callable[[str], AnyWorkerCommand],
-    timeout: float,
-) -> Outcome:
-    """Send `command` (or `command(worker_id)`) to every worker concurrently; collect an
-    answer from each within `timeout`."""
-    if callable(command):
-        payloads = {w: encode(command(w)) for w in worker_ids}
-        sample = command(worker_ids[0]) if worker_ids else None
-    else:
-        shared = encode(command)  # encoded once for the whole fleet
-        payloads = dict.fromkeys(worker_ids, shared)
-        sample = command
-    op = op_of(sample) if sample is not None else ""
-    out = Outcome(acks={}, failures=[], op=op)
-    answered: set[str] = set()
+class FanOut:
+    """Fan-outs over one connection: every command goes out at once with a reply subject of its
+    own (`<inbox>.<token>`, a fresh unguessable token per worker and fan-out: a worker cannot
+    answer for another) on one wildcard subscription the fan-outs share, and one deadline
+    bounds them all. One subscription and one wait per fan-out, not a request (a
+    future, a timer, a task waking) per worker: at 64 workers that is most of what a fan-out
+    costs beside the round trips."""
 
-    async def one(worker_id: str) -> None:
-        sent = time.monotonic()
-        try:
-            msg = await nc.request(subjects.worker(worker_id, op), payloads[worker_id], timeout=timeout)
-        except Exception as e:  # no responders, timeout, connection closed
-            got: WorkerAck | Fault = fault_of(e, who=f"worker {worker_id}", op=op, timeout=timeout)
+    def __init__(self, nc: Client, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self._inbox = nc.new_inbox()
+        self._sub: Subscription | None = None
+        self._open: dict[str, tuple[Callable[[str, Msg], None], str]] = {}
+        """Each reply subject's token a fan-out waits on: what takes the answer, and for which worker."""
+
+    async def _on_answer(self, msg: Msg) -> None:
+        waiter = self._open.pop(msg.subject[len(self._inbox) + 1 :], None)
+        if waiter is not None:  # else: a second answer, or one to a fan-out that gave up on it
+            take, worker_id = waiter
+            take(worker_id, msg)
+
+    async def __call__(
+        self,
+        worker_ids: list[str],
+        command: AnyWorkerCommand | Callable[[str], AnyWorkerCommand],
+        timeout: float,
+    ) -> Outcome:
+        """Send `command` (or `command(worker_id)`) to every worker concurrently; collect an
+        answer from each within `timeout`."""
+        if callable(command):
+            payloads = {w: encode(command(w)) for w in worker_ids}
+            sample = command(worker_ids[0]) if worker_ids else None
         else:
+            shared = encode(command)  # encoded once for the whole fleet
+            payloads = dict.fromkeys(worker_ids, shared)
+            sample = command
+        op = op_of(sample) if sample is not None else ""
+        out = Outcome(acks={}, failures=[], op=op)
+        if not worker_ids:
+            return out
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_answer)
+        noise = token_hex(8 * len(worker_ids))  # 64 random bits per worker, drawn at once
+        tokens = {w: noise[16 * i : 16 * i + 16] for i, w in enumerate(worker_ids)}
+        waiting = set(worker_ids)
+        sent: dict[str, float] = {}
+        all_in = asyncio.get_running_loop().create_future()
+
+        def settle(worker_id: str, got: WorkerAck | Fault) -> None:
+            waiting.discard(worker_id)
+            if isinstance(got, Fault):
+                out.failures.append(WorkerFailure(worker_id=worker_id, code=got.code, message=got.message))
+            else:
+                out.acks[worker_id] = got.state
+                out.answers[worker_id] = got
+            out.seconds[worker_id] = time.monotonic() - sent[worker_id]
+            if not waiting and not all_in.done():
+                all_in.set_result(None)
+
+        def take(worker_id: str, msg: Msg) -> None:
+            if worker_id not in waiting:
+                return
+            if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+                settle(worker_id, fault_of(NoRespondersError(), who=f"worker {worker_id}", op=op, timeout=timeout))
+                return
             got = reply_of(msg, op, WorkerAck)
-        if isinstance(got, WorkerAck) and got.state.worker_id != worker_id:
-            # only the addressed worker answers for itself: an ack about another is forged or misrouted
-            log.warning("ignored an answer to %s for worker %s that speaks for %s", op, worker_id, got.state.worker_id)
-            got = Fault("INTERNAL", f"the answer to {op} came from {got.state.worker_id!r}, not the addressed worker")
-        if isinstance(got, Fault):
-            out.failures.append(WorkerFailure(worker_id=worker_id, code=got.code, message=got.message))
-        else:
-            out.acks[worker_id] = got.state
-            out.answers[worker_id] = got
-        out.seconds[worker_id] = time.monotonic() - sent
-        answered.add(worker_id)
+            if isinstance(got, WorkerAck) and got.state.worker_id != worker_id:
+                # only the addressed worker answers for itself: an ack about another is forged or misrouted
+                log.warning(
+                    "ignored an answer to %s for worker %s that speaks for %s", op, worker_id, got.state.worker_id
+                )
+                got = Fault(
+                    "INTERNAL", f"the answer to {op} came from {got.state.worker_id!r}, not the addressed worker"
+                )
+            settle(worker_id, got)
 
-    # All requests go out at once; one deadline bounds the whole fan-out. A plain gather of
-    # the request coroutines: a task group's per-task scopes cost ~2x the raw round at N=64.
-    with anyio.move_on_after(timeout + 0.5 if math.isfinite(timeout) else None):
-        await asyncio.gather(*(one(w) for w in worker_ids))
-    for w in worker_ids:
-        if w not in answered:
-            late = fault_of(TimeoutError(), who=f"worker {w}", op=op, timeout=timeout)
-            out.failures.append(WorkerFailure(worker_id=w, code=late.code, message=late.message))
-    return out
+        for w, token in tokens.items():
+            self._open[token] = (take, w)
+        try:
+            with anyio.move_on_after(timeout if math.isfinite(timeout) else None):
+                for w in worker_ids:  # all go out at once: publishing only fills the connection's buffer
+                    sent[w] = time.monotonic()
+                    try:
+                        await self.nc.publish(
+                            self.subjects.worker(w, op), payloads[w], reply=f"{self._inbox}.{tokens[w]}"
+                        )
+                    except Exception as e:  # connection closed, payload over the server's limit
+                        settle(w, fault_of(e, who=f"worker {w}", op=op, timeout=timeout))
+                if waiting:
+                    await all_in
+        finally:
+            for token in tokens.values():
+                self._open.pop(token, None)
+        for w in worker_ids:
+            if w in waiting:
+                late = fault_of(TimeoutError(), who=f"worker {w}", op=op, timeout=timeout)
+                out.failures.append(WorkerFailure(worker_id=w, code=late.code, message=late.message))
+        return out

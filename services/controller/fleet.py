@@ -4,10 +4,12 @@ The service (service.py) and the update handlers (updates.py) are both built on 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from nats.aio.client import Client
@@ -22,10 +24,11 @@ from rlbus.schemas import (
 )
 from rlbus.services.metrics import ControllerMetrics
 
-from .fanout import Outcome, fan_out
+from .fanout import FanOut, Outcome
 from .registry import Registry
 
 log = logging.getLogger("rlbus.controller")
+T = TypeVar("T")
 
 Unstamped = Callable[[str, int, str], AnyWorkerCommand]
 """Builds the command for (worker_id, epoch, command_id): the fleet stamps every command it
@@ -46,6 +49,7 @@ class Fleet:
         self.on_lost: Callable[[str, str], Awaitable[None]] = _nobody_listens
         """Called with (worker_id, why) when a fan-out finds a worker gone."""
         self.metrics: ControllerMetrics | None = None
+        self.fan_out = FanOut(nc, subjects)
 
     def ids(self) -> list[str]:
         """Every registered worker in rank order; UNAVAILABLE when there are none."""
@@ -60,13 +64,12 @@ class Fleet:
         controller, this one at the workers."""
         workers = self.ids() if workers is None else workers
         command_id = uuid.uuid4().hex
-        out = await fan_out(
-            self.nc,
-            self.subjects,
-            workers,
-            lambda w: build(w, self.epoch, command_id),
-            timeout or self.command_timeout_s,
+        command: AnyWorkerCommand | Callable[[str], AnyWorkerCommand] = (
+            build("", self.epoch, command_id)  # one command for all: built and encoded once
+            if isinstance(build, Stamped)
+            else lambda w: build(w, self.epoch, command_id)
         )
+        out = await self.fan_out(workers, command, timeout or self.command_timeout_s)
         if self.metrics is not None:
             self.metrics.fanned_out(out.op, out.seconds, [(f.worker_id, f.code) for f in out.failures])
         for state in out.acks.values():
@@ -103,9 +106,52 @@ class Fleet:
             log.debug("event %s not published: %s", kind, e)
 
 
+class Stamped:
+    """A builder for one command the same for every worker (but its stamp): the fleet builds
+    and encodes it once per fan-out."""
+
+    def __init__(self, command: type[AnyWorkerCommand], fields: dict[str, object]) -> None:
+        self.command, self.fields = command, fields
+
+    def __call__(self, _worker_id: str, epoch: int, command_id: str) -> AnyWorkerCommand:
+        return self.command(epoch=epoch, command_id=command_id, **self.fields)  # type: ignore[arg-type]
+
+
 def stamped(command: type[AnyWorkerCommand], **fields: object) -> Unstamped:
     """A builder for one command the same for every worker (but its stamp)."""
-    return lambda _w, epoch, command_id: command(epoch=epoch, command_id=command_id, **fields)  # type: ignore[arg-type]
+    return Stamped(command, fields)
+
+
+async def alongside(persist: Awaitable[object], work: Awaitable[T]) -> T:
+    """Run `work` (a fan-out) while `persist` writes to KV: the answer waits for both, so it is
+    durable when answered, at the cost of the slower of the two. The fan-out's error first."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    async def save() -> None:
+        try:
+            await persist
+        except Exception as e:
+            errors.append(e)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(save)
+        try:
+            result.append(await work)
+        except Exception as e:  # a refusal from the fan-out: raised as it is, not in a group
+            errors.insert(0, e)
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+async def together(*writes: Awaitable[object]) -> None:
+    """Independent KV writes at once (one round trip's wait, not one each); every one runs to
+    its end, then the first error is raised."""
+    outcomes = await asyncio.gather(*writes, return_exceptions=True)
+    for o in outcomes:
+        if isinstance(o, BaseException):
+            raise o
 
 
 async def _nobody_listens(worker_id: str, why: str) -> None:

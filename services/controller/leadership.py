@@ -3,9 +3,11 @@
 A second controller waits in standby until the lease lapses (the leader died or stopped),
 then takes it with a compare-and-set and a new, higher epoch. A leader that finds its lease
 taken (it was paused past the lease, say) steps down: workers would refuse its old epoch anyway.
-Every state-changing command renews the lease first (`confirm`): a leader cut off from the state
+Every state-changing command confirms the lease first (`confirm`): a leader cut off from the state
 store's quorum (a partition, nodes down) can renew nothing, so it acts on nothing, while a standby
-on the majority side takes the lapsed lease.
+on the majority side takes the lapsed lease. A command whose own claim just reached the quorum
+needs no renewal while the last one is under half a lease old (no other controller may take the
+lease before it is a whole lease old; the keeper renews every quarter).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Lease:
         self._renewing = anyio.Lock()
         self._settled: tuple[float, Exception | None] = (float("-inf"), None)
         """The last renewal: when it was sent (monotonic) and how it ended."""
+        self._renewed = float("-inf")
+        """When the last renewal that succeeded was sent (monotonic): its record says this
+        controller holds the lease, and no other may take it until `lease_s` after it."""
 
     async def _read(self) -> tuple[LeaseRecord | None, int]:
         value, rev = await self.store.get(KEY)
@@ -114,6 +119,7 @@ class Lease:
             self._settled = (sent, e)
             raise
         self._settled = (sent, None)
+        self._renewed = sent
 
     async def _update_own(self) -> None:
         revision = self._revision
@@ -136,10 +142,21 @@ class Lease:
                 raise Unavailable(self.store.no_quorum("renew the lease", "the lease record's revision keeps moving"))
             await anyio.sleep(0.1)  # back-off between retries, not a wait for a condition
 
-    async def confirm(self) -> None:
+    def proven(self) -> bool:
+        """The lease is provably this controller's now, without a round trip: a renewal that
+        succeeded was sent less than half a lease ago (the keeper renews every quarter), and no
+        other controller may take a record before it is a whole lease old."""
+        return time.monotonic() - self._renewed < self.lease_s / 2
+
+    async def confirm(self, quorum_proven: bool = False) -> None:
         """Before a state-changing command: renew now. A controller whose state store has no
         quorum (a partition, nodes down) or whose lease another took acts on nothing. Commands
-        that arrive together share one renewal (one sent after they all asked)."""
+        that arrive together share one renewal (one sent after they all asked).
+
+        `quorum_proven`: the command's own write just reached the store's quorum (its claim in
+        the answer store): then a lease its expiry proves (`proven`) needs no renewal."""
+        if quorum_proven and self.proven():
+            return
         asked = time.monotonic()
         async with self._renewing:
             sent, error = self._settled

@@ -71,10 +71,18 @@ class PushLeases:
 
     async def claim(self, trainer_id: str | None, group: str | None = None) -> None:
         """Take or renew the lease for `trainer_id` (the caller checked refuse_others), in the store."""
+        self.grant(trainer_id, group)
+        await self.persist()
+
+    def grant(self, trainer_id: str | None, group: str | None = None) -> None:
+        """claim() in memory only: the caller keeps it in the store (`persist`) before it answers."""
         kept = self.held.group if self.held is not None and self.held.trainer_id == trainer_id else None
         self.held = PushLease(trainer_id=trainer_id, renewed_at=time.time(), lease_s=self.lease_s, group=group or kept)
         if group is not None:
             self._groups[trainer_id] = group
+
+    async def persist(self) -> None:
+        """The lease as granted, in the store."""
         await self.store.put_push_lease(self.held)
 
     def touch(self, trainer_id: str | None) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import msgspec
@@ -65,7 +65,7 @@ from rlbus.bus.connection import stop_service
 
 from . import session as S
 from .fanout import Outcome
-from .fleet import Fleet, stamped
+from .fleet import Fleet, alongside, stamped
 from .leadership import Lease, LeaseLost
 from .pushlease import PUSH_LEASE_S
 from .registry import Registry
@@ -75,7 +75,6 @@ from .updates import Updates
 from .verify import verify_weights
 
 log = logging.getLogger("rlbus.controller")
-T = TypeVar("T")
 
 SERVICE_VERSION = "0.1.0"
 
@@ -126,6 +125,8 @@ class ControllerService:
         self._tg: anyio.abc.TaskGroup = NotRunning()  # type: ignore[assignment]
         self.desired = FleetState()
         """What the trainer asked the fleet to be (kept in KV): every admitted worker is brought to it."""
+        self._kv_desired: FleetState | None = None
+        """The desired state as KV holds it (None: not read yet)."""
         self.standby_for: str | None = None
         """While waiting for the lease: the controller that holds it."""
         self.lease_lost = False
@@ -194,12 +195,13 @@ class ControllerService:
         self.updates.withhold = self._resync
         self.repairs = Repairs(self.fleet, self.updates, self.opts.repair)
         await self.updates.leases.load()
-        self.desired = await store.desired()
+        self.desired = self._kv_desired = await store.desired()
 
         async def write_back() -> None:  # the bucket vanished under a running leader: it knows everything
             await store.put_epoch(self.fleet.epoch)
             await store.put_version(self.updates.version)
             await store.put_desired(self.desired)
+            self._kv_desired = self.desired
             await store.put_session(self.updates.session_id)
             await lease.reclaim()
             await self.fleet.event(
@@ -218,7 +220,11 @@ class ControllerService:
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
             await store.put_session(None)
         replies = await ReplyStore.open(
-            self.nc, self.subjects.replies_bucket, self.opts.reply_ttl_s, self.opts.state_replicas
+            self.nc,
+            self.subjects.replies_bucket,
+            self.opts.reply_ttl_s,
+            self.opts.state_replicas,
+            self.opts.state_patience_s,
         )
         async with anyio.create_task_group() as tg:
             self._tg = tg
@@ -268,18 +274,20 @@ class ControllerService:
             tg.cancel_scope.cancel()
 
     def _leading(self, lease: Lease) -> Gate:
-        """Before every command, and before its id reaches the reply cache: a state-changing
-        command renews the lease first (a compare-and-set in the state store); a read goes
-        through while the last renewal proves the lease (no round trip), else renews too.
-        Without quorum (nodes down, a partition) the command is UNAVAILABLE before anything
-        is dispatched; with the lease taken, this controller steps down. A leader that wakes
-        from a freeze, or one cut off, never answers with state a successor has moved on from,
-        and never records a refusal under an id its successor answers."""
+        """Before every command, and before its id reaches the reply cache. A state-changing
+        command confirms the lease: a command with an id is claimed in the answer store next (a
+        quorum write before anything is dispatched, endpoints.ReplyCache), so a lease its expiry
+        proves needs no round trip; one without an id renews it (a compare-and-set in the state
+        store). A read goes through while the last renewal proves the lease, else renews too.
+        Without quorum (nodes down, a partition) the command is UNAVAILABLE before anything is
+        dispatched; with the lease taken, this controller steps down. A leader that wakes from a
+        freeze, or one cut off, never answers with state a successor has moved on from, and
+        never records a refusal under an id its successor answers."""
 
         async def gate(route: Route[Any], cmd: Any) -> None:
             if not route.read or not lease.fresh():
                 try:
-                    await lease.confirm()
+                    await lease.confirm(quorum_proven=bool(cmd.command_id) and not route.read)
                 except LeaseLost as e:
                     self._step_down(e)
                     raise Unavailable(
@@ -518,34 +526,14 @@ class ControllerService:
     async def _desire(self, **changes: object) -> None:
         """Record what the trainer asked (before it is carried out: a worker admitted from
         now on is brought to it)."""
-        self.desired = msgspec.structs.replace(self.desired, **changes)
-        await self.store.put_desired(self.desired)
-
-    async def _alongside(self, persist: Awaitable[None], work: Awaitable[T]) -> T:
-        """Run `work` (a fan-out) while the desired state is written to KV: the answer waits
-        for both, so it is durable when answered, at the cost of the slower of the two."""
-        result: list[T] = []
-        errors: list[Exception] = []
-
-        async def save() -> None:
-            try:
-                await persist
-            except Exception as e:
-                errors.append(e)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(save)
-            try:
-                result.append(await work)
-            except Exception as e:  # a refusal from the fan-out: raised as it is, not in a group
-                errors.insert(0, e)
-        if errors:
-            raise errors[0]
-        return result[0]
+        self.desired = desired = msgspec.structs.replace(self.desired, **changes)
+        if desired != self._kv_desired:  # written only when it changed (a second pause writes nothing)
+            await self.store.put_desired(desired)
+            self._kv_desired = desired
 
     async def _pause(self, cmd: Pause) -> FleetAck:
         async with self.fleet.lock:
-            out = await self._alongside(
+            out = await alongside(
                 self._desire(paused=True, pause_mode=cmd.mode, paused_since=self.desired.paused_since or time.time()),
                 self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})"),
             )
@@ -555,7 +543,7 @@ class ControllerService:
     async def _resume(self, cmd: Resume) -> FleetAck:
         async with self.fleet.lock:
             self.updates.refuse_resume()
-            out = await self._alongside(
+            out = await alongside(
                 self._desire(paused=False, pause_mode=None, paused_since=None),
                 self.fleet.send_all(stamped(ResumeWorker), "resume"),
             )

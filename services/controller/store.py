@@ -309,14 +309,21 @@ def is_wrong_sequence(e: Exception) -> bool:
 class ReplyStore:
     """Answers of state-changing commands by command id, in a KV bucket whose entries expire
     after `ttl_s`: a trainer that retries a command after a controller restart gets the first
-    answer instead of running it twice. Best effort: a store that cannot be reached costs
-    the durability of that answer, never the answer itself."""
+    answer instead of running it twice.
 
-    def __init__(self, kv: KeyValue) -> None:
-        self.kv = kv
+    A command is claimed before it runs: one create of its id (a write the bucket's quorum
+    takes, so a controller cut off from it runs nothing: UNAVAILABLE, as any state store call).
+    The claim that finds the id taken reads what is there. The answer is kept before it is sent;
+    a store that cannot take that write costs the durability of the answer, never the answer
+    itself (the claim stays: a retry after a restart is refused, never run twice)."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
 
     @classmethod
-    async def open(cls, nc: Client, bucket: str, ttl_s: float, replicas: int | None = None) -> ReplyStore:
+    async def open(
+        cls, nc: Client, bucket: str, ttl_s: float, replicas: int | None = None, patience_s: float = PATIENCE_S
+    ) -> ReplyStore:
         config = KeyValueConfig(
             bucket=bucket,
             history=1,
@@ -325,25 +332,31 @@ class ReplyStore:
             description="rlbus controller answers by command id",
             replicas=replicas or default_replicas(nc),
         )
-        return cls(await _open_bucket(nc, config))
+        return cls(StateStore(nc, await _open_bucket(nc, config), config, patience_s))
 
     @staticmethod
     def _key(command_id: str) -> str:
         return hashlib.blake2b(command_id.encode(), digest_size=16).hexdigest()  # any id, a valid key
 
-    async def get(self, command_id: str) -> StoredReply | None:
-        try:
-            entry = await self.kv.get(self._key(command_id))
-        except KeyNotFoundError:
-            return None
-        except Exception as e:
-            log.warning("answer store unreachable (%s); running the command", e)
-            return None
-        return _stored.decode(entry.value) if entry.value else None
+    async def claim(self, command_id: str, running: StoredReply) -> StoredReply | None:
+        """Mark the command started (None), or what the id already holds: one round trip for a
+        new id. Raises UNAVAILABLE when the store cannot take the write."""
+        key = self._key(command_id)
+        while True:
+            try:
+                await self.store.create(key, encode(running))
+                return None
+            except Exception as e:
+                if not is_wrong_sequence(e):
+                    raise
+            raw, _ = await self.store.get(key)
+            if raw:
+                return _stored.decode(raw)
+            # expired (or deleted) between the two calls: claim it again
 
     async def put(self, command_id: str, stored: StoredReply) -> None:
         try:
-            await self.kv.put(self._key(command_id), encode(stored))
+            await self.store.put(self._key(command_id), encode(stored))
         except Exception as e:
             log.warning("answer to command %s not kept in KV: %s", command_id, e)
 

@@ -56,7 +56,7 @@ from rlbus.services.endpoints import Routes
 
 from . import session as S
 from .fanout import Outcome
-from .fleet import Fleet, stamped
+from .fleet import Fleet, alongside, stamped, together
 from .pushlease import PUSH_LEASE_S, PushLeases
 from .store import StateStore
 
@@ -288,10 +288,11 @@ class Updates:
 
     # ---- the push lease ----------------------------------------------------------------
 
-    async def _take_lease(self, cmd: ControlCommand, what: str) -> bool:
+    async def _take_lease(self, cmd: ControlCommand, what: str, *, persist: bool = True) -> bool:
         """Before anything is dispatched (under the lock): refuse another holder's trainer, drop a
-        session whose holder's lease lapsed, and take the lease. True when it was not held yet
-        (the command gives it back if it fails)."""
+        session whose holder's lease lapsed, and take the lease (`persist` False: in memory; the
+        caller keeps it in the store before it answers). True when it was not held yet (the
+        command gives it back if it fails)."""
         self.leases.refuse_others(cmd.trainer_id, what)
         lapsed = self.leases.lapsed()
         if lapsed is not None and lapsed.trainer_id != cmd.trainer_id and isinstance(self.session, S.Open):
@@ -301,7 +302,10 @@ class Updates:
                 f"{lapsed.lease_s:g}s): its session is abandoned",
             )
         fresh = self.leases.live() is None
-        await self.leases.claim(cmd.trainer_id)
+        if persist:
+            await self.leases.claim(cmd.trainer_id)
+        else:
+            self.leases.grant(cmd.trainer_id)
         return fresh
 
     async def drop_lapsed_lease(self) -> None:
@@ -388,7 +392,7 @@ class Updates:
 
     async def start_weight_update(self, cmd: StartWeightUpdate) -> FleetAck:
         async with self.fleet.lock:
-            fresh = await self._take_lease(cmd, f"start_weight_update({cmd.target})")
+            fresh = await self._take_lease(cmd, f"start_weight_update({cmd.target})", persist=False)
             try:
                 out, sid, workers = await self._start_weight_update(cmd)
             except BaseException:
@@ -438,23 +442,37 @@ class Updates:
             )
         sid = uuid.uuid4().hex[:16]
         step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
+        begin = stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq)
         try:
-            out = await self.fleet.send(
-                stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq), workers
+            # the session's record and the push lease are kept beside the fan-out, durable before the
+            # answer (a controller that dies in between leaves a record its successor aborts everywhere)
+            out = await alongside(
+                together(self._keep_open(sid), self.leases.persist()), self.fleet.send(begin, workers)
             )
-        except BaseException:  # the caller's deadline passed: close what opened
+        except BaseException:  # the caller's deadline passed, or the store took no write: close what opened
             with anyio.CancelScope(shield=True):
-                await self.fleet.send(
-                    stamped(AbortWeightUpdateWorker, session_id=sid, reason="start ran out of time"), workers
-                )
+                await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason="start failed"), workers)
+                await self._forget_open()
             raise
         if not out.ok:
             await self.fleet.send(
                 stamped(AbortWeightUpdateWorker, session_id=sid, reason="start failed"), list(out.acks)
             )
+            await self._forget_open()
             out.raise_for_failures(f"start_weight_update({target})")
-        await self._settle(step.state)
+        await self._settle(step.state)  # KV holds it already: nothing more is written
         return out, sid, workers
+
+    async def _keep_open(self, sid: str) -> None:
+        await self.store.put_session(sid)
+        self._kv_session = sid
+
+    async def _forget_open(self) -> None:
+        """A start that failed: KV's record back to the session memory holds (none)."""
+        try:
+            await self._settle(self.session)
+        except Exception as e:  # the start's own failure is the one to raise; a successor aborts the record
+            log.warning("the record of a session that failed to start was not cleared: %s", e)
 
     async def update_weights(self, cmd: UpdateWeights) -> FleetAck:
         async with self.fleet.lock:
@@ -541,7 +559,7 @@ class Updates:
             committed = await self.fleet.send(
                 stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq), workers
             )
-            return await self._committed(decision, committed)
+            return await self._committed(decision, committed, cmd.trainer_id)
 
     async def _decide(self, committing: S.Committing, cmd: FinishWeightUpdate, workers: list[str]) -> CommitDecision:
         """Every worker prepared: write the decision to the state store, before any worker
@@ -593,25 +611,30 @@ class Updates:
         await self._settle(step.state)
         return decision
 
-    async def _committed(self, decision: CommitDecision, committed: Outcome) -> FleetAck:
-        """Phase 2 answered: the decided commit stands whatever the workers said; record it,
-        and quarantine every worker that failed or missed it. Runs shielded, under the lock."""
+    async def _committed(self, decision: CommitDecision, committed: Outcome, trainer_id: str | None) -> FleetAck:
+        """Phase 2 answered: the decided commit stands whatever the workers said; record it (and
+        free `trainer_id`'s push lease), and quarantine every worker that failed or missed it.
+        Runs shielded, under the lock."""
         if committed.failures:
             await self._quarantine(decision, committed.failures)
-        await self._record(decision)
+        await self._record(decision, lambda: self.leases.release(trainer_id))
         await self.review(committed.acks.values())  # workers it brought to the committed bits again
         return self.ack(committed)
 
-    async def _record(self, decision: CommitDecision) -> None:
+    async def _record(self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None) -> None:
         """The decided version: in the store, then on rl.version, then the decision marked
-        done; the session closes. A successor finds a decision not marked done and records it."""
+        done, the session closed and `closing` (the push lease freed), those at once. A
+        successor finds a decision not marked done and records it."""
         new = decision.committed
         await self._commit_version(new)  # durable before KV forgets the session
         self.state_lost = False
         self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
-        await self.store.put_decision(self.decision)
+        writes: list[Awaitable[None]] = [self.store.put_decision(self.decision)]
         if isinstance(self.session, S.Decided) and self.session.session_id == decision.session_id:
-            await self._settle(self._advance(S.CommitDone()).state)
+            writes.append(self._settle(self._advance(S.CommitDone()).state))
+        if closing is not None:
+            writes.append(closing())
+        await together(*writes)
         await self.fleet.event(
             "session_committed",
             decision.workers,

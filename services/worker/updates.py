@@ -415,14 +415,16 @@ class WeightUpdates:
         def take() -> None:
             self.book.commit(s.target, version, seq)
 
-        if s.staged or s.received:
+        held_bytes = bool(s.staged or s.received)
+        if held_bytes:
             written = set() if self.mode == "staged" else s.received
             await self.engine.load_weights(s.target, s.staged, written, loaded=take)
         else:
             take()
         s.staged.clear()
         self.session = None
-        await detached(release_freed_memory, name="rlbus-trim")  # the shadow copy's pages go back to the OS
+        if held_bytes:  # the shadow copy's pages go back to the OS (a session that moved no byte freed none)
+            await detached(release_freed_memory, name="rlbus-trim")
 
     def abort(self, session_id: str) -> bool:
         """Drop the session at once; True if one was open. A receive still waiting is

@@ -1,11 +1,15 @@
 """Idempotency that means it: a command id names one command (op and payload), a retry gets
 the first answer, and that answer outlives a controller restart. The SDK retries through a
-handover (no responders) with the same id."""
+handover (no responders) with the same id. What a command writes to KV for it stays small: its
+claim and its answer; the desired state only when it changed; the leadership lease on its
+keeper's schedule, not once per command (the claim reached the store's quorum, and the lease's
+expiry proves no other controller holds it)."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+import time
 import uuid
 
 import anyio
@@ -13,6 +17,7 @@ import pytest
 from rlbus.schemas import (
     FleetAck,
     GetServerInfo,
+    KvKey,
     Nack,
     Pause,
     Resume,
@@ -69,6 +74,42 @@ async def test_a_reused_id_with_another_payload_is_refused_and_changes_nothing(f
     refused = await _send(raw, prefix, UpdateWeightVersion(new_version=second, command_id=cid))
     assert isinstance(refused, Nack) and refused.code == "INVALID_ARGUMENT", refused
     assert await rl.get_weight_version() == first
+
+
+async def _writes(raw, prefix: str, key: str, after: int) -> int:
+    """How many times `key` of the state bucket was written after stream revision `after`."""
+    kv = await raw.jetstream().key_value(Subjects(prefix).kv_bucket)
+    return sum(1 for e in await kv.history(key) if (e.revision or 0) > after)
+
+
+async def _revision(raw, prefix: str) -> int:
+    return (await raw.jetstream().stream_info(Subjects(prefix).kv_stream)).state.last_seq
+
+
+async def test_commands_in_quick_succession_renew_the_leadership_lease_only_on_its_keepers_schedule(fleet, raw, prefix):
+    f, rl = fleet
+    before = await _revision(raw, prefix)
+    began = time.monotonic()
+    for _ in range(5):
+        await rl.pause("abort")
+        await rl.resume()
+    elapsed = time.monotonic() - began
+    keeper = f.controller.opts.lease_s / 4  # the keeper renews this often, commands or not
+    renewals = await _writes(raw, prefix, KvKey.LEADER, before)
+    assert renewals <= elapsed / keeper + 1, f"{renewals} lease renewals for 10 commands in {elapsed:.2f}s"
+
+
+async def test_a_second_pause_writes_no_desired_state(fleet, raw, prefix):
+    f, rl = fleet
+    await rl.pause("abort")
+    try:
+        before = await _revision(raw, prefix)
+        again = await rl.pause("abort")
+        assert all(w.paused for w in again.workers)
+        assert await _writes(raw, prefix, KvKey.DESIRED, before) == 0, "an unchanged desired state was written"
+    finally:
+        await rl.resume()
+    assert await _writes(raw, prefix, KvKey.DESIRED, before) == 1, "the resume's change was not written"
 
 
 async def test_a_retry_after_a_controller_restart_gets_the_first_answer_and_runs_once(fleet, raw, prefix, nats_server):

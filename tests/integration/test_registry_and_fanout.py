@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import nats
 import pytest
@@ -15,6 +16,7 @@ from rlbus.schemas import (
     Heartbeat,
     Nack,
     Pause,
+    PauseWorker,
     Resume,
     ServerInfo,
     Subjects,
@@ -25,6 +27,7 @@ from rlbus.schemas import (
     event_decoder,
     reply_decoder,
 )
+from rlbus.services.controller.fanout import FanOut
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
@@ -330,3 +333,48 @@ async def test_a_retried_pause_with_the_same_command_id_runs_once(fleet, raw, pr
     assert retry.data == first.data  # the recorded answer
     assert not any(w.state().paused for w in f.workers.values()), "the retry must not pause again"
     assert not await rl.is_paused()
+
+
+async def test_a_fan_out_sorts_every_answer_and_a_late_or_second_one_never_counts(nats_server, raw):
+    """Raw responders under the controller's fan-out (one reply subscription for all): a worker
+    that answers twice, one that speaks for another, one that is not there, one too slow."""
+    subjects = Subjects("fan" + uuid.uuid4().hex[:8])
+    ctrl = await nats.connect(nats_server.url)
+    release, slow_answered = asyncio.Event(), asyncio.Event()
+
+    def state(worker_id: str) -> bytes:
+        return encode(WorkerAck(state=WorkerState(worker_id=worker_id, paused=True)))
+
+    async def twice(msg) -> None:
+        await raw.publish(msg.reply, state("twice"))
+        await raw.publish(msg.reply, encode(Nack(code="INTERNAL", message="a second answer")))
+
+    async def forger(msg) -> None:
+        await raw.publish(msg.reply, state("twice"))
+
+    async def slow(msg) -> None:
+        await release.wait()  # answers once the fan-out gave up on it
+        await raw.publish(msg.reply, state("slow"))
+        slow_answered.set()
+
+    try:
+        for worker_id, cb in (("twice", twice), ("forger", forger), ("slow", slow)):
+            await raw.subscribe(subjects.worker(worker_id, "pause"), cb=cb)
+        await raw.flush()
+        fan_out = FanOut(ctrl, subjects)
+        out = await fan_out(
+            ["twice", "forger", "gone", "slow"], PauseWorker(mode="abort", epoch=1, command_id="c"), 0.3
+        )
+        assert out.acks.keys() == {"twice"} and out.acks["twice"].paused
+        assert {f.worker_id: f.code for f in out.failures} == {
+            "forger": "INTERNAL",
+            "gone": "UNAVAILABLE",
+            "slow": "DEADLINE_EXCEEDED",
+        }
+        release.set()
+        await asyncio.wait_for(slow_answered.wait(), 5)
+        # the next fan-out waits for its own answers only: the late one of the last is dropped
+        again = await fan_out(["twice"], PauseWorker(mode="abort", epoch=1, command_id="d"), 5)
+        assert again.ok and again.acks.keys() == {"twice"} and not fan_out._open
+    finally:
+        await ctrl.close()

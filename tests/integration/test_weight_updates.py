@@ -14,7 +14,7 @@ import sys
 import anyio
 import pytest
 import torch
-from rlbus.schemas import Subjects
+from rlbus.schemas import FleetAck, KvKey, StartWeightUpdate, Subjects
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -249,6 +249,23 @@ async def test_starting_a_second_session_is_refused_and_the_first_stays_open(fle
         await rl.start_weight_update()
     assert err.value.code == "FAILED_PRECONDITION"
     assert (await rl.server_info()).session_id == first.session_id
+
+
+@over_one_backend
+async def test_a_start_the_workers_refuse_leaves_no_session_record_and_no_push_lease(fleet, raw, prefix):
+    f, rl = fleet
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=10)
+    await rl.abort_weight_update()  # no session open, and the push lease free
+    # the record and the lease are written beside the start's fan-out: a refusal takes both back
+    with pytest.raises(rlbus.FailedPrecondition, match="cannot apply a delta"):
+        await rl.call(StartWeightUpdate(base_seq=10**6), FleetAck)
+    kv = await raw.jetstream().key_value(Subjects(prefix + "gloo").kv_bucket)
+    assert (await kv.get(KvKey.SESSION)).value == b"null", "a session that never opened is on record"
+    assert (await kv.get(KvKey.PUSH_LEASE)).value == b"null", "the refused start kept the push lease"
+    info = await rl.server_info()
+    assert info.session_id is None and info.push_lease is None
+    assert not any(w.state.session_id for w in info.workers)
 
 
 @over_one_backend

@@ -16,8 +16,11 @@ class DictReplies:
         self.kept: dict[str, StoredReply] = {}
         self.gate = anyio.Event()
 
-    async def get(self, command_id: str) -> StoredReply | None:
-        return self.kept.get(command_id)
+    async def claim(self, command_id: str, running: StoredReply) -> StoredReply | None:
+        if command_id in self.kept:
+            return self.kept[command_id]
+        self.kept[command_id] = running
+        return None
 
     async def put(self, command_id: str, stored: StoredReply) -> None:
         if stored.answered:

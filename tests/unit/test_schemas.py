@@ -182,3 +182,14 @@ def test_each_code_maps_to_its_own_exception():
         )
     )
     assert isinstance(e, Unavailable) and e.workers == ["w3"] and e.code == "UNAVAILABLE"
+
+
+def test_a_worker_state_leaves_its_defaults_out_of_the_wire_and_decodes_whole():
+    state = s.WorkerState(worker_id="w7", paused=True, pause_mode="abort", epoch=3, weight_version="v1", weight_seq=2)
+    assert s.encode(state) == (
+        b'{"worker_id":"w7","paused":true,"pause_mode":"abort","epoch":3,"weight_version":"v1","weight_seq":2}'
+    )
+    wire = s.encode(s.FleetAck(workers=[state], epoch=3))
+    back = s.reply_decoder.decode(wire)
+    assert isinstance(back, s.FleetAck) and back.workers == [state]
+    assert back.workers[0].weights_loaded is True and back.workers[0].sleeping_tags == []

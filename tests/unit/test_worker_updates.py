@@ -14,6 +14,7 @@ import pytest
 import torch
 from rlbus.schemas import TransferInit, UpdateMode
 from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
+from rlbus.services.worker import updates as worker_updates
 from rlbus.services.worker.book import Book
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.updates import WeightUpdates
@@ -146,6 +147,17 @@ async def test_commit_without_an_open_session_is_refused():
     with pytest.raises(FailedPrecondition):
         await updates.commit("s1", "v1", 1)
     assert updates.book.main.version == "default"
+
+
+async def test_a_commit_that_moved_no_byte_commits_its_version_without_trimming_memory(monkeypatch):
+    trims: list[bool] = []
+    monkeypatch.setattr(worker_updates, "release_freed_memory", lambda: trims.append(True))
+    updates = worker()
+    updates.start("s1", "main")
+    await updates.prepare("s1", RECEIVE_TIMEOUT_S)
+    await updates.commit("s1", "v1", 1)
+    assert (updates.book.main.version, updates.book.main.seq) == ("v1", 1) and updates.session is None
+    assert not trims, "an empty session trimmed the process's memory (a thread and a malloc_trim per worker)"
 
 
 async def test_commit_for_another_session_id_is_refused_and_the_open_session_stays():
