@@ -104,6 +104,10 @@ class EngineReceiver(Protocol):
         """Leave that group at once (a receive in it fails)."""
         ...
 
+    def holds(self, group_name: str) -> bool:
+        """The engine's processes are still in that group (a restarted engine lost it)."""
+        ...
+
     async def receive(
         self, session_id: str, target: UpdateTarget, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]
     ) -> None:
@@ -140,6 +144,8 @@ class Engine(abc.ABC):
     """The engine sleeps weights and KV cache only together (vLLM): sleep refuses a subset."""
     sleep_off_hint = "start it with --enable-sleep-mode"
     """How to turn sleep mode on, for the refusal when it is off."""
+    transfer_ranks = 1
+    """Ranks the engine takes in a transfer group (its receiving processes; vLLM: its TP ranks)."""
     receiver: EngineReceiver | None = None
     """Set when the engine's own processes receive the bytes (then load_weights gets no
     tensors: it loads what the receiver verified)."""

@@ -144,7 +144,9 @@ class WeightUpdates:
 
     @property
     def transfer_ready(self) -> bool:
-        return self.rx is not None or (self.remote is not None and self.init is not None)
+        if self.remote is not None:
+            return self.init is not None and self.remote.holds(self.init.group_name)
+        return self.rx is not None
 
     @property
     def session_id(self) -> str | None:

@@ -471,3 +471,26 @@ async def test_a_delta_push_to_vllm_serves_the_result_and_moves_the_committed_se
         assert all(torch.equal(committed[n], t) for n, t in named(changed)), "the segment holds the result"
         for prompt in PROMPTS[:2]:
             assert (await greedy_on(e, prompt)).tokens == await hf_greedy_async(changed, prompt)
+
+
+async def test_an_aborted_session_drops_the_bytes_in_vllm_and_the_next_push_lands(fleet, models):
+    """abort_weight_update after the bytes reached vLLM's worker: they are dropped there, vLLM
+    loads nothing, the version stays; the next push (a fresh group) commits and serves."""
+    _, rl, engines = fleet
+    version = await rl.get_weight_version()
+    loads = {wid: e.loads for wid, e in engines.items()}
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=60)
+    await rl.start_weight_update()
+    await rl.update_weights(named(models["base"]))
+    await rl.abort_weight_update("the trainer changed its mind")
+
+    async def dropped() -> bool:
+        return [h["session"] for e in engines.values() for h in await held(e)] == [None] * len(engines)
+
+    await eventually(dropped, 30, what="the aborted session's bytes dropped in vLLM")
+    assert {wid: e.loads for wid, e in engines.items()} == loads and await rl.get_weight_version() == version
+    await rl.push_weights(named(models["base"]), version="after-abort")
+    for e in engines.values():
+        r = await greedy_on(e, PROMPTS[0])
+        assert r.tokens == await hf_greedy_async(models["base"], PROMPTS[0]) and r.weight_version == "after-abort"

@@ -176,6 +176,8 @@ class VllmEngine(Engine):
         self._load_lock = anyio.Lock()
         self._restart: asyncio.Task[None] | None = None
         self.restarts = 0
+        self.launches = 0
+        """vLLM starts (the first and every restart): a restarted vLLM's workers are in no transfer group."""
         self.loads = 0
         """Loads handed to vLLM (tests: a refused update never reaches it)."""
         self.fail_next_load_after: int | None = None
@@ -210,6 +212,7 @@ class VllmEngine(Engine):
         self.sleep_mode_enabled = bool(cfg.model_config.enable_sleep_mode)
         self.vocab_size = int(cfg.model_config.get_vocab_size())
         self.max_model_len = int(cfg.model_config.max_model_len)
+        self.transfer_ranks = int(cfg.parallel_config.world_size)  # one rank per vLLM worker process (TP x PP)
         self._kv_bytes = int(cfg.cache_config.kv_cache_memory_bytes or 0)
         spec = cfg.speculative_config
         self._draft_k = (
@@ -220,6 +223,7 @@ class VllmEngine(Engine):
             raise FailedPrecondition("vLLM did not configure the draft model for speculative decoding")
         await llm.collective_rpc("rlbus_attach", args=(str(self.main.home), draft))
         self.llm = llm
+        self.launches += 1
         self._vllm_label = None
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from rlbus.transfer.checksum import checksum
 from rlbus.transfer.factory import worker_transfer
 from rlbus.transfer.stream import recv_buckets, verify
 
+from ..updates import release_freed_memory
 from .segment import Segment
 
 MAX_NAMED = 20
@@ -59,6 +61,11 @@ class Session:
         """A delta that did not decode: prepare refuses the session."""
         self.verified = False
         self.stopped = False
+        self.phases: dict[str, float] = {}
+        """Seconds spent here per phase (receive, verify, load, write): the benches print them."""
+
+    def timed(self, phase: str, started: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - started
 
     def check_live(self) -> None:
         if self.stopped:
@@ -91,6 +98,8 @@ class State:
         self.group: str | None = None
         self.session: Session | None = None
         self.jobs: dict[str, _Job] = {}
+        self.last_phases: dict[str, float] = {}
+        """The phases of the last session that ended (committed or aborted)."""
         self.lock = threading.Lock()  # a receive thread vs the worker's thread (abort, commit)
 
     def start(self, key: str, fn: Callable[[], Any]) -> None:
@@ -102,8 +111,12 @@ class State:
         s = self.session
         if s is None:
             return
+        t0 = time.perf_counter()
         self.segments[s.target].write(s.staged)
+        s.timed("write", t0)
+        self.last_phases = s.phases
         self.session = None
+        trim()
 
 
 STATE = State()
@@ -133,6 +146,7 @@ class RlbusWorkerExtension:
             "session": s.id if s is not None else None,
             "staged_bytes": sum(t.numel() * t.element_size() for t in s.staged.values()) if s is not None else 0,
             "committed_bytes": {k: seg.nbytes for k, seg in STATE.segments.items()},
+            "phases": dict(s.phases if s is not None else STATE.last_phases),
         }
 
     def rlbus_poll(self, key: str) -> tuple[bool, str | None, Any]:
@@ -184,7 +198,14 @@ class RlbusWorkerExtension:
         s = STATE.session
         if s is not None and (session_id is None or s.id == session_id):
             s.stopped = True
+            STATE.last_phases = s.phases
             STATE.session = None
+            trim()
+
+
+def trim() -> None:
+    """The staged buffers' pages back to the OS (glibc keeps freed multi-MiB blocks), off this thread."""
+    threading.Thread(target=release_freed_memory, name="rlbus-trim", daemon=True).start()
 
 
 def receive(
@@ -197,6 +218,7 @@ def receive(
     """Receive every bucket straight into a buffer of its own (pinned host memory where CUDA
     is: the device copy at load is then asynchronous and fast), keep its tensors as views of
     it, build delta-encoded tensors on a copy of the committed one."""
+    t0 = time.perf_counter()
     deltas = {m.name: m for m in params if m.encoding == "delta"}
     pinned = torch.cuda.is_available()
     own: set[int] = set()
@@ -225,11 +247,20 @@ def receive(
         s.received.add(name)
 
     s.checksums.extend(recv_buckets(rx, list(params), list(buckets), sink, landing=landing))
+    s.timed("receive", t0)
 
 
 def check(s: Session, checksums: Sequence[str], sums: Sequence[TensorChecksum]) -> str | None:
     """Every bucket's bytes hash to the trainer's checksum, every tensor a delta built (or the
     trainer names) to the trainer's checksum of the full result; why not, or None."""
+    t0 = time.perf_counter()
+    try:
+        return _check(s, checksums, sums)
+    finally:
+        s.timed("verify", t0)
+
+
+def _check(s: Session, checksums: Sequence[str], sums: Sequence[TensorChecksum]) -> str | None:
     if s.problem:
         return s.problem
     try:

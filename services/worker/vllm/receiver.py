@@ -34,6 +34,8 @@ class _Host(Protocol):
     """The adapter (engine.py) as this sees it."""
 
     llm: Any
+    launches: int
+    """vLLM starts so far: a restarted vLLM's workers are in no group."""
 
     async def load_received(
         self, target: UpdateTarget, session_id: str, version: str | None, loaded: Callable[[], None]
@@ -46,6 +48,8 @@ class VllmReceiver:
         self._order = asyncio.Lock()  # calls reach vLLM's workers in the order they were made
         self._keys = itertools.count()
         self._background: set[asyncio.Task[None]] = set()
+        self._joined: tuple[str, int] | None = None
+        """The group vLLM's workers joined, and in which of vLLM's starts."""
 
     async def _call(self, method: str, *args: Any) -> list[Any]:
         """One call on every vLLM worker process; their answers, by rank."""
@@ -89,10 +93,17 @@ class VllmReceiver:
     # ---- EngineReceiver ------------------------------------------------------------------
 
     async def join(self, init: TransferInit, rank: int) -> None:
+        self._joined = None
         await self._job("rlbus_join", _encode(init), rank)
+        self._joined = (init.group_name, self._engine.launches)
 
     def leave(self, group_name: str) -> None:
+        if self._joined is not None and self._joined[0] == group_name:
+            self._joined = None
         self._later("rlbus_leave", group_name)
+
+    def holds(self, group_name: str) -> bool:
+        return self._joined == (group_name, self._engine.launches)
 
     async def receive(
         self, session_id: str, target: UpdateTarget, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]

@@ -15,6 +15,7 @@ Imported by vLLM only (through the plugin's lazy registration): it imports vllm.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,12 @@ class StagedTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo
 
         from .extension import STATE
 
+        t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         _retie(self._ties)
         self._ties = []
+        if STATE.session is not None:
+            STATE.session.timed("load", t0)
         STATE.committed()
 
     def update_weights(self, update_info: dict) -> None:
@@ -83,8 +87,10 @@ class StagedTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo
         if update_info.fail_after is not None:
             self.model.load_weights(pairs[: update_info.fail_after])  # type: ignore[operator]
             raise InjectedLoadFailure(f"injected failure after {update_info.fail_after} tensors")
+        t0 = time.perf_counter()
         with torch.no_grad():
             self.model.load_weights(pairs)  # type: ignore[operator]
+        s.timed("load", t0)
 
     def shutdown(self) -> None:
         pass
