@@ -153,7 +153,8 @@ class VllmEngine(Engine):
     def __init__(self, options: VllmOptions) -> None:
         super().__init__(options.model_name or Path(options.model).name, sleep_mode_enabled=False)
         self.options = options
-        self._root = Path(tempfile.mkdtemp(prefix=f"rlbus-vllm-{os.getpid()}-", dir=STAGING_DIR))
+        segment.sweep(STAGING_DIR)  # segments of workers killed before they could remove theirs
+        self._root = Path(tempfile.mkdtemp(prefix=f"{segment.PREFIX}{os.getpid()}-", dir=STAGING_DIR))
         self.main = _Part(options.model, self._root, "main")
         self.draft = _Part(options.draft_model, self._root, "draft") if options.draft_model else None
         self.receiver = VllmReceiver(self)

@@ -40,6 +40,28 @@ def remove(folder: str | Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+PREFIX = "rlbus-vllm-"
+"""Segment roots are named PREFIX + the owning process's pid + "-" + a random suffix."""
+
+
+def sweep(root: str | Path) -> list[Path]:
+    """Remove the segment roots under `root` whose owning process is gone (a worker killed
+    before it could remove its own); returns them."""
+    gone = []
+    for d in Path(root).glob(f"{PREFIX}*-*"):
+        pid = d.name.removeprefix(PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            remove(d)
+            gone.append(d)
+        except PermissionError:  # alive, someone else's
+            pass
+    return gone
+
+
 class Segment:
     """The tensors of a segment folder's `model.safetensors`, as views of a shared mapping
     (writes reach the file, and every process that maps it)."""
