@@ -1,6 +1,7 @@
 """Worker memory benchmark: peak RSS of a real worker process during a weight update.
 
     python bench/memory.py [--size-mb 256] [--bucket-mb 32] [--pushes 2] [--modes staged,in_place]
+    python bench/memory.py --engine vllm [--size-mb 128] [--pushes 2]
 
 Per update mode it starts an embedded nats-server, a controller process and one worker
 process (`python -m rlbus worker --weight-transfer-backend gloo --update-mode MODE`, a
@@ -26,6 +27,12 @@ during the delta pushes (staged: a copy of every touched tensor, the delta's bas
 the received delta buckets and their decoded positions), and the trainer's: the snapshot (the
 committed bits of every tensor sent, one model in its transfer dtype) plus what a push holds
 until its commit (the encoded deltas), measured from the process's RSS.
+
+--engine vllm: one `rlbus worker --engine vllm` (a Qwen2 model folder of --size-mb, staged)
+and every process it runs, each sampled on its own: the rlbus worker (the NATS side: it carries
+no bytes), vLLM's engine core, vLLM's worker (where the bytes land: its extra is the staged
+update, then vLLM's load). The committed base is the /dev/shm segment vLLM starts from (shared
+memory, counted once, beside the processes: pages a process touched of it also show in its RSS).
 """
 
 from __future__ import annotations
@@ -59,14 +66,171 @@ def config_for(size_mb: int) -> ModelConfig:
 
 
 def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS / VmHWM of pid in bytes."""
+    """VmRSS / VmHWM (and RssAnon / RssShmem: private and shared-memory pages) of pid in bytes."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
+            if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:", "RssShmem:")):
                 key, value, _unit = line.split()
                 out[key[:-1]] = int(value) * 1024
     return out
+
+
+def qwen2_folder(folder, size_mb: int, init_std: float = 0.02):
+    """A Qwen2 model folder of about size_mb float32 (hidden 1024, 32 heads of 32, one KV head,
+    vocab 8192, tied embeddings): as many layers as bring it closest."""
+    from rlbus.services.worker.vllm.checkpoint import write_toy_model
+
+    hidden, vocab = 1024, 8192
+    per_layer = 8 * hidden * hidden + 2 * 32 * hidden + 4 * hidden  # q, o, mlp (6h^2), k, v, norms and biases
+    layers = max(1, round((size_mb * MiB / 4 - vocab * hidden) / per_layer))
+    return write_toy_model(folder, hidden=hidden, layers=layers, vocab=vocab, max_positions=256, init_std=init_std)
+
+
+class TreeSampler:
+    """Peak RssAnon (private pages: the shared segment is counted once, apart) of each process
+    of a tree (a worker and its children), sampled every ~5 ms."""
+
+    def __init__(self, pids: dict[str, int], interval: float = 0.005) -> None:
+        self.pids, self.interval = pids, interval
+        self.peak = dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        for name, pid in self.pids.items():
+            self.peak[name] = max(self.peak[name], proc_status(pid)["RssAnon"])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def vllm_processes(pid: int) -> dict[str, int]:
+    """The rlbus worker `pid` and vLLM's processes under it, by role."""
+    import psutil
+
+    out = {"rlbus worker": pid}
+    for child in psutil.Process(pid).children(recursive=True):
+        name = child.name()
+        if name.startswith("VLLM::"):
+            out["vLLM " + name.removeprefix("VLLM::")] = child.pid
+    return out
+
+
+def segment_bytes(pid: int) -> int:
+    """Bytes of the committed segments the vLLM worker `pid` keeps in /dev/shm."""
+    from pathlib import Path
+
+    return sum(f.stat().st_size for d in Path("/dev/shm").glob(f"rlbus-vllm-{pid}-*") for f in d.rglob("*"))
+
+
+async def measure_vllm(a: argparse.Namespace) -> None:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from rlbus.services.worker.vllm.checkpoint import read_tensors
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlbus-memory-vllm-"))
+    try:
+        folder = qwen2_folder(tmp / "qwen2", a.size_mb)
+        new = [(n, t + 0.01) for n, t in read_tensors(folder).items()]
+        model_bytes = sum(t.numel() * t.element_size() for _, t in new)
+        bucket = a.bucket_mb * MiB
+        print(f"machine: {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}")
+        print(f"vLLM worker: Qwen2 {len(new)} tensors, {model_bytes / MiB:.0f} MiB float32; bucket {a.bucket_mb} MiB")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        with NatsServer() as server, open(os.devnull, "w") as log:  # noqa: ASYNC230 - /dev/null does not block
+            ctrl = _spawn(["controller", "--nats-url", server.url], log)
+            worker = _spawn(
+                [
+                    "worker",
+                    "--nats-url",
+                    server.url,
+                    "--id",
+                    "w0",
+                    "--engine",
+                    "vllm",
+                    "--model",
+                    str(folder),
+                    "--weight-transfer-backend",
+                    "gloo",
+                    "--vllm-arg",
+                    "max_model_len=256",
+                    "--vllm-arg",
+                    "max_num_seqs=4",
+                    "--heartbeat",
+                    "1.0",
+                ],
+                log,
+            )
+            try:
+                rl = await RLClient.connect(server.url, timeout=300)
+                try:
+                    with anyio.fail_after(600):
+                        while True:
+                            try:
+                                if [w.worker_id for w in (await rl.server_info()).workers] == ["w0"]:
+                                    break
+                            except Exception:  # controller not up yet
+                                pass
+                            await anyio.sleep(0.5)
+                    await rl.init_weight_transfer(timeout_s=120)
+                    await anyio.sleep(1.0)
+                    procs = vllm_processes(worker.pid)
+                    baseline = {k: proc_status(p)["RssAnon"] for k, p in procs.items()}
+                    segment = segment_bytes(worker.pid)
+                    with TreeSampler(procs) as dense:
+                        for k in range(a.pushes):
+                            await rl.push_weights(new, f"v{k + 1}", bucket_bytes=bucket)
+                    current = [(n, t.clone()) for n, t in new]
+                    await rl.push_weights(current, "d0", bucket_bytes=bucket, delta=True)
+                    g = torch.Generator().manual_seed(0)
+                    with TreeSampler(procs) as deltas:
+                        for k in range(a.pushes):
+                            for _, t in current:
+                                flat = t.view(-1)
+                                idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * 0.01)),), generator=g)
+                                flat[idx] += 1.0
+                            await rl.push_weights(current, f"d{k + 1}", bucket_bytes=bucket, delta=True)
+                            assert rl.last_push is not None and rl.last_push.delta, rl.last_push
+                    await anyio.sleep(1.0)  # the freed staged pages go back to the OS in a thread of the worker's
+                    after = {k: proc_status(p)["RssAnon"] for k, p in procs.items()}
+                    shared = {k: proc_status(p)["RssShmem"] for k, p in procs.items()}
+                finally:
+                    await rl.close()
+            finally:
+                _stop(worker)
+                _stop(ctrl)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"\n{'process':18s} {'baseline':>9s} {'dense peak':>11s} {'extra':>9s} {'x model':>8s} "
+        f"{'delta peak':>11s} {'extra':>9s} {'x model':>8s} {'after':>9s} {'+ shared':>9s}   (private RSS)"
+    )
+    for k in procs:
+        de, dd = dense.peak[k] - baseline[k], deltas.peak[k] - baseline[k]
+        print(
+            f"{k:18s} {baseline[k] / MiB:7.0f}Mi {dense.peak[k] / MiB:9.0f}Mi {de / MiB:7.0f}Mi {de / model_bytes:8.2f} "
+            f"{deltas.peak[k] / MiB:9.0f}Mi {dd / MiB:7.0f}Mi {dd / model_bytes:8.2f} {after[k] / MiB:7.0f}Mi "
+            f"{shared[k] / MiB:7.0f}Mi"
+        )
+    print(
+        f"committed base: the /dev/shm segment, {segment / MiB:.0f} MiB = {segment / model_bytes:.2f} x model, once "
+        "(vLLM starts and restarts from it; its worker reads a delta's base there and writes each commit there; "
+        "pages a process touched of it are in its RSS too). Staged target: the vLLM worker's extra <= model + 2 buckets."
+    )
 
 
 class Sampler:
@@ -286,6 +450,7 @@ async def amain(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", default="reference", choices=["reference", "vllm"])
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--bucket-mb", type=int, default=32)
     ap.add_argument("--pushes", type=int, default=2)
@@ -298,7 +463,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     torch.set_num_threads(1)
-    anyio.run(amain, a)
+    anyio.run(measure_vllm if a.engine == "vllm" else amain, a)
 
 
 if __name__ == "__main__":

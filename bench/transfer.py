@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -126,13 +127,14 @@ def serve_one(cmd: dict) -> None:
 
 
 class ReceiverPool:
-    def __init__(self, n: int, threads: int = 1) -> None:
+    def __init__(self, n: int, threads: int = 1, env: dict[str, str] | None = None) -> None:
         self.procs = [
             subprocess.Popen(
                 [sys.executable, __file__, "--worker", "--threads", str(threads)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
+                env=dict(os.environ, **(env or {})),
             )
             for _ in range(n)
         ]

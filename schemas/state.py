@@ -39,6 +39,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     num_params: int = 0
     """Parameters of the main model."""
     update_mode: UpdateMode = "staged"
+    transfer_ranks: int = 1
+    """Ranks the worker takes in a weight-transfer group, consecutive from the one it is given: its
+    processes that receive bytes (a vLLM worker: one per tensor-parallel rank). Per worker, not
+    aggregated."""
 
 
 class FleetState(msgspec.Struct, frozen=True, kw_only=True):

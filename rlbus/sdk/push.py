@@ -191,7 +191,7 @@ class WeightPush:
                 backend=chosen,
                 master_addr=master_addr,
                 master_port=0,
-                world_size=len(info.workers) + 1,
+                world_size=1 + sum(w.capabilities.transfer_ranks for w in info.workers),
                 rank_offset=1,
                 group_name=f"rlbus-{uuid.uuid4().hex[:12]}",
                 timeout_s=timeout_s,

@@ -97,6 +97,16 @@ class Registry:
             for i, w in enumerate(self.ids())
         ]
 
+    def transfer_ranks(self, workers: list[str], offset: int) -> tuple[dict[str, int], int]:
+        """Each worker's first rank in a transfer group whose first worker rank is `offset` (in
+        the order given, each taking as many consecutive ranks as it has receiving processes:
+        Capabilities.transfer_ranks), and the group's world size."""
+        ranks, nxt = {}, offset
+        for w in workers:
+            ranks[w] = nxt
+            nxt += self.capabilities(w).transfer_ranks
+        return ranks, nxt
+
     def aggregate(self) -> Capabilities:
         """Capabilities AND-aggregated; a shared value counts only if every worker has it."""
         caps = [e.capabilities for e in self._entries.values()]

@@ -277,11 +277,12 @@ class Repairs:
         manifest = await self._manifest(target, holders)
         clock.mark("manifest")
         group = f"rlbus-repair-{uuid.uuid4().hex[:12]}"
+        ranks, world_size = self.fleet.registry.transfer_ranks(receivers, 1)
         init = TransferInit(
             backend=backend,
             master_addr="",
             master_port=0,
-            world_size=len(receivers) + 1,
+            world_size=world_size,
             rank_offset=1,
             group_name=group,
             timeout_s=min(30.0, self.opts.timeout_s / 2),
@@ -293,7 +294,6 @@ class Repairs:
             offered.raise_for_failures(f"repair (offer from {source})")
             offer = offered.answers[source].offer
             assert offer is not None
-            ranks = {w: 1 + i for i, w in enumerate(receivers)}
             joined = await self.fleet.send(
                 lambda w, epoch, cid: InitWeightTransferWorker(
                     epoch=epoch, command_id=cid, init_info=offer.init, rank=ranks[w]

@@ -374,12 +374,12 @@ class Updates:
         wanted = cmd.backend or init.backend
         if wanted != fleet_backend or init.backend != fleet_backend:
             raise FailedPrecondition(f"the fleet's backend is {fleet_backend}, not {wanted}")
-        if init.world_size != len(workers) + init.rank_offset:
+        ranks, needed = registry.transfer_ranks(workers, init.rank_offset)
+        if init.world_size != needed:
             raise FailedPrecondition(
-                f"world_size {init.world_size} does not match the fleet: {len(workers)} workers + "
-                f"rank_offset {init.rank_offset}; read server_info() again and retry"
+                f"world_size {init.world_size} does not match the fleet: {len(workers)} workers with {needed - init.rank_offset} "
+                f"transfer ranks + rank_offset {init.rank_offset}; read server_info() again and retry"
             )
-        ranks = {w: init.rank_offset + i for i, w in enumerate(workers)}
         timeout = max(self.fleet.command_timeout_s, init.timeout_s + 5)
         out = await self.fleet.send(
             lambda w, epoch, cid: InitWeightTransferWorker(epoch=epoch, command_id=cid, init_info=init, rank=ranks[w]),

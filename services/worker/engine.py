@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import abc
 import typing
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import msgspec
 import torch
 from rlbus.schemas import (
     SLEEP_TAGS,
+    BucketMeta,
     GenerateReply,
     GenerateRequest,
+    ParamMeta,
     PauseMode,
     SleepTag,
+    TensorChecksum,
+    TransferInit,
     UpdateTarget,
     WeightVersionSpan,
 )
@@ -86,6 +90,48 @@ class TokenLabels:
         return {"weight_version": first.version, "weight_seq": first.seq, "weight_versions": spans}
 
 
+class EngineReceiver(Protocol):
+    """The data plane of an engine whose own processes receive, verify and load the bytes
+    (vLLM's worker processes, one transfer rank each). The worker's WeightUpdates keeps the
+    session, its books and every check before a byte moves, and hands it the rest. Failures of
+    the data plane raise rlbus.transfer's TransferError; nothing here blocks the loop."""
+
+    async def join(self, init: TransferInit, rank: int) -> None:
+        """Join the group as `rank` (and the following ranks, one per engine process)."""
+        ...
+
+    def leave(self, group_name: str) -> None:
+        """Leave that group at once (a receive in it fails)."""
+        ...
+
+    def holds(self, group_name: str) -> bool:
+        """The engine's processes are still in that group (a restarted engine lost it)."""
+        ...
+
+    async def receive(
+        self, session_id: str, target: UpdateTarget, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]
+    ) -> None:
+        """Receive one update's buckets (checked already); returns when every bucket arrived."""
+        ...
+
+    async def verify(
+        self, session_id: str, checksums: Sequence[str], tensor_checksums: Sequence[TensorChecksum]
+    ) -> str | None:
+        """Phase 1 of finish where the bytes are: why the session fails, or None."""
+        ...
+
+    async def commit(
+        self, session_id: str, target: UpdateTarget, version: str | None, loaded: Callable[[], None]
+    ) -> None:
+        """Phase 2: load the verified session into the model, the engine taking `version` in
+        the same load (None: it keeps its version string); `loaded()` as in load_weights."""
+        ...
+
+    def abort(self, session_id: str) -> None:
+        """Drop the session's bytes at once."""
+        ...
+
+
 class Engine(abc.ABC):
     """Everything here is called from the worker's event loop; long work must not block it.
 
@@ -98,6 +144,11 @@ class Engine(abc.ABC):
     """The engine sleeps weights and KV cache only together (vLLM): sleep refuses a subset."""
     sleep_off_hint = "start it with --enable-sleep-mode"
     """How to turn sleep mode on, for the refusal when it is off."""
+    transfer_ranks = 1
+    """Ranks the engine takes in a transfer group (its receiving processes; vLLM: its TP ranks)."""
+    receiver: EngineReceiver | None = None
+    """Set when the engine's own processes receive the bytes (then load_weights gets no
+    tensors: it loads what the receiver verified)."""
 
     def __init__(self, model_name: str, *, sleep_mode_enabled: bool) -> None:
         self.model_name = model_name

@@ -133,6 +133,7 @@ class WorkerService:
             model_name=e.model_name,
             num_params=e.num_params,
             update_mode=self.opts.update_mode,
+            transfer_ranks=e.transfer_ranks,
         )
 
     def state(self) -> WorkerState:

@@ -43,7 +43,7 @@ from rlbus.transfer.factory import worker_transfer
 from rlbus.transfer.stream import group_checksum_kind, recv_buckets, sole_tensor_bytes, verify
 
 from .book import Book
-from .engine import Engine
+from .engine import Engine, EngineReceiver
 
 log = logging.getLogger("rlbus.worker.updates")
 
@@ -138,7 +138,14 @@ class WeightUpdates:
         """The join waiting for its rendezvous, if any."""
 
     @property
+    def remote(self) -> EngineReceiver | None:
+        """The engine's own receiver, when its processes take the bytes (vLLM)."""
+        return self.engine.receiver
+
+    @property
     def transfer_ready(self) -> bool:
+        if self.remote is not None:
+            return self.init is not None and self.remote.holds(self.init.group_name)
         return self.rx is not None
 
     @property
@@ -162,6 +169,9 @@ class WeightUpdates:
             )
         self.teardown()
         self.cancel_join()  # a newer group supersedes one still forming
+        if self.remote is not None:
+            await self._join_remote(self.remote, init, rank)
+            return
         rx = worker_transfer(init.backend)
         scope = self._joining = anyio.CancelScope()
         with scope:
@@ -176,6 +186,20 @@ class WeightUpdates:
         self._joining = None
         self.rx, self.init = rx, init
 
+    async def _join_remote(self, remote: EngineReceiver, init: TransferInit, rank: int) -> None:
+        scope = self._joining = anyio.CancelScope()
+        with scope:
+            try:
+                await remote.join(init, rank)
+            except TransferError as e:
+                remote.leave(init.group_name)
+                raise FailedPrecondition(f"could not join the weight-transfer group: {e}") from None
+        if scope.cancelled_caught:
+            remote.leave(init.group_name)
+            raise Aborted(f"joining group {init.group_name!r} was abandoned (a newer group, or the worker stopped)")
+        self._joining = None
+        self.init = init
+
     def cancel_join(self) -> None:
         """Abandon a join still waiting for its rendezvous (its thread ends at the group timeout)."""
         if self._joining is not None:
@@ -186,6 +210,8 @@ class WeightUpdates:
         """Leave the group at once; a receive still pending in it is abandoned, not awaited."""
         if self.rx is not None:
             self.rx.close()
+        if self.remote is not None and self.init is not None:
+            self.remote.leave(self.init.group_name)
         self.rx = self.init = None
 
     # ---- session -----------------------------------------------------------------------
@@ -256,6 +282,9 @@ class WeightUpdates:
         """Start receiving (checked) tensors in the background; prepare() waits for it."""
         self.check(session_id, params, buckets)
         s = self._open(session_id)
+        if self.remote is not None:
+            self._receive_remote(self.remote, s, params, buckets, tg)
+            return
         rx = self.rx
         if rx is None:
             if not buckets:
@@ -351,6 +380,47 @@ class WeightUpdates:
 
         tg.start_soon(run)
 
+    def _receive_remote(
+        self, remote: EngineReceiver, s: _Session, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta], tg
+    ) -> None:
+        """The engine's processes receive (and hash) the bytes; this keeps the session's count."""
+        if self.init is None:
+            if not buckets:
+                return
+            raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
+        if s.receiving == 0:
+            s.done = anyio.Event()
+        s.receiving += 1
+        s.verified = False
+        group = self.init.group_name
+        scope = anyio.CancelScope()
+        s.receives.add(scope)
+
+        async def run() -> None:
+            try:
+                with scope:
+                    async with self._recv_lock:
+                        s.check_live()
+                        await remote.receive(s.session_id, s.target, params, buckets)
+                        s.received.update(m.name for m in params)
+                        s.touched = s.touched or self.mode == "in_place"
+            except TransferError as e:
+                s.failure = s.failure or e
+                if self.init is not None and self.init.group_name == group:
+                    self.teardown()  # a broken group cannot be trusted for the next session
+            except Exception as e:
+                log.exception("receive failed")
+                s.failure = s.failure or e
+            finally:
+                s.receives.discard(scope)
+                if scope.cancelled_caught:
+                    s.failure = s.failure or TransferError("the receive was cancelled")
+                s.receiving -= 1
+                if s.receiving == 0:
+                    s.done.set()
+
+        tg.start_soon(run)
+
     async def prepare(
         self,
         session_id: str,
@@ -367,12 +437,16 @@ class WeightUpdates:
             await s.done.wait()
         if s.receiving:
             raise Aborted(f"still receiving weights after {timeout:g}s; the trainer did not send every bucket")
-        if s.failure is None:
+        if s.failure is None and self.remote is not None:
+            problem = await self.remote.verify(session_id, checksums, tensor_checksums)
+            if problem:
+                s.failure = ChecksumMismatch(0, "", "", detail=problem)
+        elif s.failure is None:
             try:
                 verify([c for part in s.checksums for c in part], checksums)
             except ChecksumMismatch as e:
                 s.failure = e
-        if s.failure is None and (s.deltas or tensor_checksums):
+        if s.failure is None and self.remote is None and (s.deltas or tensor_checksums):
             problem = await detached(lambda: self._check_results(s, tensor_checksums), name="rlbus-verify")
             if problem:
                 s.failure = ChecksumMismatch(0, "", "", detail=problem)
@@ -416,7 +490,9 @@ class WeightUpdates:
             self.book.commit(s.target, version, seq)
 
         held_bytes = bool(s.staged or s.received)
-        if held_bytes:
+        if self.remote is not None and s.received:
+            await self.remote.commit(session_id, s.target, version, take)
+        elif held_bytes:
             written = set() if self.mode == "staged" else s.received
             await self.engine.load_weights(s.target, s.staged, written, loaded=take)
         else:
@@ -433,6 +509,8 @@ class WeightUpdates:
         if s is None or (session_id and session_id != s.session_id):
             return False
         touched = s.stop()
+        if self.remote is not None:
+            self.remote.abort(s.session_id)
         if s.receiving:
             self.teardown()
         if self.mode == "in_place" and touched:

@@ -28,6 +28,7 @@ from rlbus.services.worker.service import WorkerOptions  # noqa: E402
 from rlbus.services.worker.vllm.checkpoint import write_toy_model  # noqa: E402
 from rlbus.services.worker.vllm.engine import VllmEngine, VllmOptions  # noqa: E402
 
+import rlbus  # noqa: E402
 from rlbus.runners.local import LocalFleet  # noqa: E402
 from rlbus.sdk.client import RLClient  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
@@ -402,3 +403,94 @@ async def test_requests_frozen_by_pause_keep_across_a_push_name_the_old_and_the_
         assert 0 < k == k1 < end == LONG_TOKENS, spans
         assert (r.weight_version, r.weight_seq) == (old.version, old.seq), "the top-level version is the first token's"
         assert r.tokens[:k] == ref[:k], "the tokens before the freeze are the old weights' own"
+
+
+# ---- the bytes land in vLLM's own worker process -------------------------------------------
+
+
+async def held(engine: VllmEngine) -> list[dict]:
+    """What each vLLM worker process holds for rlbus (one per tensor-parallel rank)."""
+    return list(await engine.llm.collective_rpc("rlbus_held"))
+
+
+async def test_the_bytes_land_in_vllms_worker_process_which_verifies_them_before_anything_is_loaded(fleet, models):
+    """The rlbus worker is the NATS side: vLLM's own worker process joined the group as the
+    worker's rank, received the buckets and holds them; a checksum it finds wrong aborts the
+    session there, vLLM loads nothing and the fleet stays on its version."""
+    local, rl, engines = fleet
+    version = await rl.get_weight_version()
+    loads = {wid: e.loads for wid, e in engines.items()}
+    tensors = named(models["base"])
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=60)
+    await rl.start_weight_update()
+    await rl.update_weights(tensors)
+
+    async def staged_in_vllm() -> bool:
+        return [h["staged_bytes"] for e in engines.values() for h in await held(e)] == [total] * len(engines)
+
+    await eventually(staged_in_vllm, 60, what="every vLLM worker process holding the update")
+    for wid, e in engines.items():
+        (h,) = await held(e)
+        assert h["pid"] != os.getpid() and h["group"] is not None, "vLLM's own process is the transfer rank"
+        svc = local.workers[wid]
+        assert svc.updates.rx is None and svc.updates.transfer_ready, "the rlbus worker joined no group itself"
+        assert svc.updates.session is not None and svc.updates.session.staged == {}, "no byte passed through it"
+
+    rl.push.checksums = ["0" * 32, *rl.push.checksums[1:]]  # the trainer's checksum of bucket 0, corrupted
+    with pytest.raises(rlbus.Aborted) as err:
+        await rl.finish_weight_update("never-verified")
+    assert "checksum" in err.value.message and sorted(err.value.workers) == sorted(WORKERS)
+    assert {wid: e.loads for wid, e in engines.items()} == loads, "vLLM loaded nothing"
+    assert await rl.get_weight_version() == version
+
+    async def dropped() -> bool:
+        return [h["session"] for e in engines.values() for h in await held(e)] == [None] * len(engines)
+
+    await eventually(dropped, 30, what="the aborted session's bytes dropped in vLLM")
+
+
+async def test_a_delta_push_to_vllm_serves_the_result_and_moves_the_committed_segment(fleet, models):
+    """A delta is applied in vLLM's worker process onto the committed segment's tensor, verified
+    there against the trainer's checksum of the result, loaded, and becomes the segment's bits."""
+    _, rl, engines = fleet
+    base = copy.deepcopy(models["other"])
+    await rl.push_weights(named(base), version="delta-base", delta=True)  # tracked: the next one is a delta
+    changed = copy.deepcopy(base)
+    with torch.no_grad():
+        p = dict(changed.named_parameters())
+        p["model.embed_tokens.weight"][3, :8] += 0.5
+        p["model.layers.1.mlp.down_proj.weight"][:2] *= -1.0
+    await rl.push_weights(named(changed), version="delta-1", delta=True)
+    stats = rl.last_push
+    assert stats is not None and stats.delta and stats.committed and stats.tensors_delta >= 2, stats
+    for e in engines.values():
+        assert e.book.main.version == "delta-1"
+        committed = e.parameters_of("main")
+        assert all(torch.equal(committed[n], t) for n, t in named(changed)), "the segment holds the result"
+        for prompt in PROMPTS[:2]:
+            assert (await greedy_on(e, prompt)).tokens == await hf_greedy_async(changed, prompt)
+
+
+async def test_an_aborted_session_drops_the_bytes_in_vllm_and_the_next_push_lands(fleet, models):
+    """abort_weight_update after the bytes reached vLLM's worker: they are dropped there, vLLM
+    loads nothing, the version stays; the next push (a fresh group) commits and serves."""
+    _, rl, engines = fleet
+    version = await rl.get_weight_version()
+    loads = {wid: e.loads for wid, e in engines.items()}
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=60)
+    await rl.start_weight_update()
+    await rl.update_weights(named(models["base"]))
+    await rl.abort_weight_update("the trainer changed its mind")
+
+    async def dropped() -> bool:
+        return [h["session"] for e in engines.values() for h in await held(e)] == [None] * len(engines)
+
+    await eventually(dropped, 30, what="the aborted session's bytes dropped in vLLM")
+    assert {wid: e.loads for wid, e in engines.items()} == loads and await rl.get_weight_version() == version
+    await rl.push_weights(named(models["base"]), version="after-abort")
+    for e in engines.values():
+        r = await greedy_on(e, PROMPTS[0])
+        assert r.tokens == await hf_greedy_async(models["base"], PROMPTS[0]) and r.weight_version == "after-abort"

@@ -71,3 +71,40 @@ def test_vllm_is_started_with_rlbus_transfer_engine_and_spec_counters_only_with_
     )
     assert spec["speculative_config"] == {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
     assert spec["per_request_spec_decode_metrics"] == "summary" and spec["max_model_len"] == 64
+
+
+def test_the_committed_segment_is_the_checkpoint_and_a_write_reaches_every_mapping(tmp_path):
+    pytest.importorskip("transformers", reason="needs the vllm extra (transformers)")
+    import torch
+    from rlbus.services.worker.vllm import segment
+    from rlbus.services.worker.vllm.checkpoint import read_tensors, write_toy_model
+
+    source = write_toy_model(tmp_path / "m", seed=0, hidden=64, layers=1, vocab=128)
+    home = segment.create(source, tmp_path / "seg" / "main")
+    writer, reader = segment.Segment(home), segment.Segment(home)  # as vLLM's worker and the rlbus worker map it
+    original = read_tensors(source)
+    assert writer.tensors.keys() == original.keys()
+    assert all(torch.equal(writer.tensors[n], t) for n, t in original.items())
+    name = "model.norm.weight"
+    writer.write({name: torch.full_like(original[name], 7.0)})
+    assert torch.equal(reader.tensors[name], torch.full_like(original[name], 7.0)), "the other mapping sees it"
+    assert torch.equal(read_tensors(home)[name], reader.tensors[name]), "and so does a restart from the folder"
+    writer.close()
+    reader.close()
+
+
+def test_a_sweep_removes_only_the_segments_of_processes_that_are_gone(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from rlbus.services.worker.vllm import segment
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"{segment.PREFIX}{int(dead.stdout)}-abc"
+    mine = tmp_path / f"{segment.PREFIX}{os.getpid()}-def"
+    parent = tmp_path / f"{segment.PREFIX}{os.getppid()}-ghi"
+    for d in (gone, mine, parent):
+        (d / "main").mkdir(parents=True)
+    assert segment.sweep(tmp_path) == [gone]
+    assert not gone.exists() and mine.exists() and parent.exists()

@@ -73,7 +73,7 @@ def write_model_folder(source: str | Path, dest: str | Path, tensors: Mapping[st
     return dst
 
 
-_DTYPES = {
+_DTYPES = {  # safetensors dtype names (segment.py reads them too)
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,

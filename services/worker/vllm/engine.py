@@ -7,14 +7,17 @@ Generation, pause modes, sleep/wake and weight loading all go through vLLM's own
 
 - updates are checked against the model folder's checkpoint (names, dtypes, shapes: what a
   transformers trainer sends), never against vLLM's repacked, renamed live parameters;
-- the bytes are received into rlbus's staged buffers and verified before commit, and only
-  then handed to vLLM, through rlbus's transfer engine (transfer.py) reading them from a
-  safetensors file in shared memory;
-- the last committed weights are kept here as CPU tensors in checkpoint names
-  (`parameters_of`). A load that fails inside vLLM kills vLLM's engine (EngineDeadError):
-  the engine reports itself recovering (the worker leaves the generate queue), refuses
-  generation (UNAVAILABLE) and restarts vLLM from those committed weights, so it never
-  serves a half-updated model and comes back on the version the fleet last committed;
+- the bytes land in vLLM's own worker process(es): each joins the transfer group as its own
+  rank (extension.py, driven from receiver.py), receives and verifies them there, and at
+  commit rlbus's transfer engine (transfer.py) loads them from that memory through the model's
+  own load_weights, vLLM taking the new version in the same lifecycle (finish_weight_update);
+- the last committed weights live once, in checkpoint names, in a shared-memory segment
+  (segment.py) that vLLM starts from and its worker writes after each successful load, and
+  that this process maps read-only (`parameters_of`: a repair source, hash_weights). A load
+  that fails inside vLLM kills vLLM's engine (EngineDeadError): the engine reports itself
+  recovering (the worker leaves the generate queue), refuses generation (UNAVAILABLE) and
+  restarts vLLM from the segment, so it never serves a half-updated model and comes back on
+  the version the fleet last committed;
 - every reply names its tokens' weights: vLLM labels each step's tokens with the version it
   was given (given inside each load, before a request frozen by pause(keep) resumes), and
   the adapter maps those labels to (version, seq) spans.
@@ -43,12 +46,14 @@ from rlbus.schemas.errors import FailedPrecondition, Internal, InvalidArgument, 
 
 from ..book import WeightLabel
 from ..engine import Engine, ParamSpec, TokenLabels, check_generate_request
-from . import checkpoint
+from . import checkpoint, segment
 from .plugin import BACKEND
+from .receiver import VllmReceiver
 
 log = logging.getLogger("rlbus.worker.vllm")
 
 STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+"""Where the committed segments live (shared memory: both processes map them)."""
 
 
 class VllmOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +77,7 @@ def engine_args(options: VllmOptions, dtype: torch.dtype | None = None) -> dict[
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "auto",
         "skip_tokenizer_init": True,
         "weight_transfer_config": {"backend": BACKEND},
+        "worker_extension_cls": EXTENSION,
         "disable_log_stats": True,
     }
     if not torch.cuda.is_available():  # CPU: no torch.compile warm-up (minutes on two cores), a modest batch
@@ -87,13 +93,24 @@ def engine_args(options: VllmOptions, dtype: torch.dtype | None = None) -> dict[
     return args
 
 
-class _Part:
-    """The main model or the draft: its checkpoint specs and its last committed weights."""
+EXTENSION = "rlbus.services.worker.vllm.extension.RlbusWorkerExtension"
+"""vLLM's `worker_extension_cls`: rlbus's transfer rank inside each vLLM worker process."""
 
-    def __init__(self, folder: str) -> None:
+
+class _Part:
+    """The main model or the draft: its checkpoint specs and the segment of its committed weights."""
+
+    def __init__(self, folder: str, root: Path, name: str) -> None:
         self.folder = folder
         self.specs: dict[str, ParamSpec] = checkpoint.read_specs(folder)
-        self.committed: dict[str, torch.Tensor] = checkpoint.read_tensors(folder)
+        self.home = segment.create(folder, root / name)
+        """The model folder vLLM starts (and restarts) from; its checkpoint is the segment."""
+        self.segment = segment.Segment(self.home)
+
+    @property
+    def committed(self) -> dict[str, torch.Tensor]:
+        """The committed bits, read in place (vLLM's worker writes them after each load)."""
+        return self.segment.tensors
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -102,7 +119,7 @@ class _Part:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.committed.values())
+        return self.segment.nbytes
 
 
 class _Request:
@@ -136,8 +153,11 @@ class VllmEngine(Engine):
     def __init__(self, options: VllmOptions) -> None:
         super().__init__(options.model_name or Path(options.model).name, sleep_mode_enabled=False)
         self.options = options
-        self.main = _Part(options.model)
-        self.draft = _Part(options.draft_model) if options.draft_model else None
+        segment.sweep(STAGING_DIR)  # segments of workers killed before they could remove theirs
+        self._root = Path(tempfile.mkdtemp(prefix=f"{segment.PREFIX}{os.getpid()}-", dir=STAGING_DIR))
+        self.main = _Part(options.model, self._root, "main")
+        self.draft = _Part(options.draft_model, self._root, "draft") if options.draft_model else None
+        self.receiver = VllmReceiver(self)
         self.llm: Any = _NotStarted()
         self._vllm_label: WeightLabel | None = None
         """The label vLLM was last given (its get_weight_version() says its version; None: not
@@ -157,6 +177,8 @@ class VllmEngine(Engine):
         self._load_lock = anyio.Lock()
         self._restart: asyncio.Task[None] | None = None
         self.restarts = 0
+        self.launches = 0
+        """vLLM starts (the first and every restart): a restarted vLLM's workers are in no transfer group."""
         self.loads = 0
         """Loads handed to vLLM (tests: a refused update never reaches it)."""
         self.fail_next_load_after: int | None = None
@@ -166,17 +188,24 @@ class VllmEngine(Engine):
 
     @classmethod
     async def start(cls, options: VllmOptions) -> VllmEngine:
-        engine = cls(options)
-        await engine._launch(options.model, options.draft_model)
+        engine = await anyio.to_thread.run_sync(cls, options)  # writes the segments: seconds for a big model
+        try:
+            await engine._launch()
+        except BaseException:
+            engine._remove_segments()
+            raise
         return engine
 
-    async def _launch(self, model: str, draft: str | None) -> None:
-        """Start vLLM (its engine core runs in child processes) without blocking the loop."""
+    async def _launch(self) -> None:
+        """Start vLLM from the committed segments (its engine core runs in child processes)
+        without blocking the loop; its workers map the segments."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        opts = msgspec.structs.replace(self.options, model=model, draft_model=draft)
-        args = AsyncEngineArgs(**engine_args(opts, self.main.dtype))
+        draft = str(self.draft.home) if self.draft is not None else None
+        opts = msgspec.structs.replace(self.options, model=str(self.main.home), draft_model=draft)
+        # vLLM runs the segment folder; it serves (and names, in its OpenAI API) the model folder's name
+        args = AsyncEngineArgs(**{"served_model_name": self.model_name, **engine_args(opts, self.main.dtype)})
         # Built off the loop: construction waits tens of seconds for the engine core, and
         # AsyncLLM starts its output handler lazily when built outside a running loop.
         llm = await anyio.to_thread.run_sync(lambda: AsyncLLM.from_engine_args(args), abandon_on_cancel=False)
@@ -184,6 +213,7 @@ class VllmEngine(Engine):
         self.sleep_mode_enabled = bool(cfg.model_config.enable_sleep_mode)
         self.vocab_size = int(cfg.model_config.get_vocab_size())
         self.max_model_len = int(cfg.model_config.max_model_len)
+        self.transfer_ranks = int(cfg.parallel_config.world_size)  # one rank per vLLM worker process (TP x PP)
         self._kv_bytes = int(cfg.cache_config.kv_cache_memory_bytes or 0)
         spec = cfg.speculative_config
         self._draft_k = (
@@ -192,7 +222,9 @@ class VllmEngine(Engine):
         if self.draft is not None and self._draft_k == 0:
             llm.shutdown()
             raise FailedPrecondition("vLLM did not configure the draft model for speculative decoding")
+        await llm.collective_rpc("rlbus_attach", args=(str(self.main.home), draft))
         self.llm = llm
+        self.launches += 1
         self._vllm_label = None
 
     async def close(self) -> None:
@@ -201,6 +233,13 @@ class VllmEngine(Engine):
         llm, self.llm = self.llm, _NotStarted()
         if not isinstance(llm, _NotStarted):
             await anyio.to_thread.run_sync(llm.shutdown)
+        self._remove_segments()
+
+    def _remove_segments(self) -> None:
+        for part in (self.main, self.draft):
+            if part is not None:
+                part.segment.close()
+        segment.remove(self._root)
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -346,7 +385,7 @@ class VllmEngine(Engine):
         paused also those submitted and not admitted yet (a paused vLLM queues them)."""
         return len(self._requests) if not self._paused else self.decoding()
 
-    async def _sync_label(self) -> None:
+    async def _sync_label(self, told: str | None = None) -> None:
         """Give vLLM the books' main label before it runs anything under it: vLLM labels each
         step's tokens with its version string (a reply's weight_versions spans) and
         get_weight_version() reports it. Requests in flight record it, in order, to map
@@ -356,8 +395,8 @@ class VllmEngine(Engine):
         label = self.book.main
         if self._vllm_label == label or isinstance(self.llm, _NotStarted):
             return
-        if self._vllm_label is None or self._vllm_label.version != label.version:
-            await self.llm.update_weight_version(label.version)
+        if told != label.version and (self._vllm_label is None or self._vllm_label.version != label.version):
+            await self.llm.update_weight_version(label.version)  # told: vLLM took it in its load already
         self._vllm_label = label
         for r in self._requests:
             r.labels.append(label)
@@ -402,7 +441,7 @@ class VllmEngine(Engine):
 
     def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
         """The last committed weights, in checkpoint names (not vLLM's live, repacked
-        parameters): receiving in place is refused, and a delta update reads its base here."""
+        parameters), read in place from the segment: a repair source and hash_weights read them."""
         return self._part(target).committed
 
     async def load_weights(
@@ -413,49 +452,55 @@ class VllmEngine(Engine):
         *,
         loaded: Callable[[], None] = lambda: None,
     ) -> None:
+        """Refused: vLLM loads only what its own worker processes received and verified
+        (self.receiver); what this process holds never reaches vLLM's model."""
         if written:
             raise FailedPrecondition(
                 "a vLLM worker receives into staged buffers only; start it with --update-mode staged"
             )
-        part = self._part(target)
-        problems = _mismatches(part.specs, tensors)
+        problems = _mismatches(self._part(target).specs, tensors)
         if problems:  # never reaches vLLM: a bad load would kill its engine
             raise InvalidArgument(
                 f"{len(problems)} tensors do not match the {target} checkpoint: {', '.join(problems[:20])}"
             )
-        if "weights" in self._sleeping:
-            raise FailedPrecondition("weights are asleep; wake_up(tags=['weights']) before loading")
-        await self._load(target, {**part.committed, **tensors}, loaded)
+        raise FailedPrecondition(
+            "vLLM loads only what its own worker processes received and verified: push through the transfer group"
+        )
 
-    async def _load(self, target: UpdateTarget, merged: dict[str, torch.Tensor], loaded: Callable[[], None]) -> None:
-        """Hand the whole model (committed weights overlaid with the update) to vLLM's lifecycle.
+    async def load_received(
+        self, target: UpdateTarget, session_id: str, version: str | None, loaded: Callable[[], None]
+    ) -> None:
+        """Load the verified session held by vLLM's worker processes through vLLM's lifecycle,
+        vLLM taking `version` in it (main only; None keeps its version string).
 
         New requests wait and in-flight ones finish first (unless frozen by pause(keep)), so
-        every reply is produced by one set of weights."""
+        every reply is produced by one set of weights, and none is stamped by vLLM between
+        the load and the version."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        part = self._part(target)
+        self._part(target)
+        if "weights" in self._sleeping:
+            raise FailedPrecondition("weights are asleep; wake_up(tags=['weights']) before loading")
         async with self._load_lock:
             if self._restarting:
                 await self._changes.until(lambda: not self._restarting)  # a restart is bringing vLLM back
-            path = Path(STAGING_DIR) / f"rlbus-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
-            await anyio.to_thread.run_sync(checkpoint.write_tensors, path, merged)
             self._loading = True
             self._changes.notify()
             try:
                 if self._pause_mode != "keep":
                     await self._changes.until(lambda: self._busy() == 0)
                 self.loads += 1
-                info: dict[str, Any] = {"path": str(path), "names": list(merged)}
+                info: dict[str, Any] = {"session_id": session_id}
                 if self.fail_next_load_after is not None:
                     info["fail_after"], self.fail_next_load_after = self.fail_next_load_after, None
+                told = version if target == "main" else None
                 try:
                     if target == "draft":
                         await self.llm.start_draft_weight_update()
                     else:
                         await self.llm.start_weight_update()
                     await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-                    await self.llm.finish_weight_update()
+                    await self.llm.finish_weight_update(weight_version=told)
                     await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
                 except Exception as e:
                     self._failed(e)
@@ -466,16 +511,14 @@ class VllmEngine(Engine):
                 loaded()  # new requests still wait (and frozen ones stay frozen): none ran on them yet
                 if target == "main":
                     try:
-                        await self._sync_label()  # before a frozen request resumes on these weights
+                        await self._sync_label(told)  # before a frozen request resumes on these weights
                     except Exception as e:
                         log.warning("could not give vLLM the new weight version: %s", e)
             finally:
                 self._loading = False
                 self._changes.notify()
-                path.unlink(missing_ok=True)
             if target == "main":
                 self._discarded = False
-            part.committed = merged
             self.draft_stale = target == "main" and self.draft is not None
 
     # ---- failure and recovery ----------------------------------------------------------
@@ -499,18 +542,9 @@ class VllmEngine(Engine):
             await anyio.to_thread.run_sync(old.shutdown)
         except Exception as e:
             log.warning("shutting the failed vLLM engine down: %s", e)
-        folder = Path(tempfile.mkdtemp(prefix="rlbus-vllm-committed-"))
         try:
-            main = await anyio.to_thread.run_sync(
-                checkpoint.write_model_folder, self.main.folder, folder / "main", self.main.committed
-            )
-            draft = None
-            if self.draft is not None:
-                draft = await anyio.to_thread.run_sync(
-                    checkpoint.write_model_folder, self.draft.folder, folder / "draft", self.draft.committed
-                )
             try:
-                await self._launch(str(main), str(draft) if draft else None)
+                await self._launch()  # from the segments: the committed weights, untouched by the failed load
             except Exception:
                 # it stays recovering: status says so, generation is refused; restart the worker
                 log.exception("vLLM did not come back; this worker serves nothing until it is restarted")
@@ -521,10 +555,6 @@ class VllmEngine(Engine):
             self._restarting = False
             log.warning("vLLM restarted from the committed weights (%s); serving again", self.book.main.version)
         finally:
-            # vLLM has read its checkpoint by now; the restart folders are not needed any more
-            import shutil
-
-            shutil.rmtree(folder, ignore_errors=True)
             self._changes.notify()
 
     async def wait_recovered(self) -> None:

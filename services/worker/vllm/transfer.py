@@ -1,21 +1,24 @@
-"""rlbus's vLLM transfer engine: loads weights rlbus has already received and verified.
+"""rlbus's vLLM transfer engine: loads what this vLLM worker process received and verified.
 
-rlbus moves the bytes itself (gloo/NCCL/shm into the worker's staged buffers) and checks
-them before commit; at commit the adapter writes the staged tensors to a safetensors file
-in shared memory and drives vLLM's own lifecycle — start_weight_update ->
-update_weights({"path": ...}) -> finish_weight_update — which runs this engine inside
-vLLM's worker process. It loads through vLLM's layer-wise reload, the only path that
-survives vLLM's repacked parameters and fused names (qkv_proj, gate_up_proj).
+The bytes arrive in this very process (extension.py: rlbus's transfer rank inside vLLM's
+worker) and are checked there before commit; at commit the adapter drives vLLM's own
+lifecycle — start_weight_update -> update_weights({"session_id": ...}) ->
+finish_weight_update(version) — which runs this engine here. It hands the session's tensors
+(checkpoint names) to the model's own `load_weights` from memory, through vLLM's layer-wise
+reload, the only path that survives vLLM's repacked parameters and fused names (qkv_proj,
+gate_up_proj). A fused layer needs all of its checkpoint tensors, so the tensors the session
+did not change come from the committed segment (a view, no copy); once vLLM's load finished,
+the session's tensors are written into that segment: they are the committed bits now.
 
 Imported by vLLM only (through the plugin's lazy registration): it imports vllm.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -25,15 +28,13 @@ from vllm.distributed.weight_transfer.base import (
 
 @dataclass
 class StagedInitInfo(WeightTransferInitInfo):
-    """Nothing to rendezvous: the bytes are already on this host."""
+    """Nothing to rendezvous here: rlbus's own transfer rank (extension.py) joins its group."""
 
 
 @dataclass
 class StagedUpdateInfo(WeightTransferUpdateInfo):
-    path: str
-    """A safetensors file (under /dev/shm) holding the tensors of this update, checkpoint names."""
-    names: list[str]
-    """The tensors to load from it, in order."""
+    session_id: str
+    """The verified session whose tensors (held in this process, extension.STATE) to load."""
     fail_after: int | None = None
     """Tests only: raise after loading this many tensors (a failure inside vLLM's load)."""
 
@@ -60,9 +61,15 @@ class StagedTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from .extension import STATE
+
+        t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         _retie(self._ties)
         self._ties = []
+        if STATE.session is not None:
+            STATE.session.timed("load", t0)
+        STATE.committed()
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -70,13 +77,20 @@ class StagedTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: StagedUpdateInfo) -> None:
-        with safe_open(update_info.path, framework="pt", device="cpu") as f:
-            pairs = [(name, f.get_tensor(name)) for name in update_info.names]
+        from .extension import STATE
+
+        s = STATE.session
+        if s is None or s.id != update_info.session_id or not s.verified:
+            raise RuntimeError(f"session {update_info.session_id} is not verified in this vLLM worker")
+        committed = STATE.segments[s.target].tensors
+        pairs = [(name, s.staged.get(name, t)) for name, t in committed.items()]
         if update_info.fail_after is not None:
             self.model.load_weights(pairs[: update_info.fail_after])  # type: ignore[operator]
             raise InjectedLoadFailure(f"injected failure after {update_info.fail_after} tensors")
+        t0 = time.perf_counter()
         with torch.no_grad():
             self.model.load_weights(pairs)  # type: ignore[operator]
+        s.timed("load", t0)
 
     def shutdown(self) -> None:
         pass
