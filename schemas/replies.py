@@ -43,6 +43,10 @@ class WorkerAck(Message, frozen=True, kw_only=True, tag="worker_ack"):
     state: WorkerState
     tensor_checksums: list[TensorChecksum] = []
     """hash_weights: the checksum of every tensor the worker serves, in name order."""
+    live_checksum: str = ""
+    """hash_weights: one hash of the model the engine computes with, in the engine's own names
+    and layout (vLLM: its repacked, fused parameters in each of its worker processes); "" where
+    the tensors above are the live ones. Comparable between replicas of one engine and model."""
     offer: RepairOffer | None = None
     """offer_weights: the group and the plan."""
     sent_checksums: list[str] = []
@@ -130,7 +134,10 @@ class WorkerWeights(msgspec.Struct, frozen=True, kw_only=True):
     digest: str
     """One hash over every (name, tensor checksum) pair: equal digests, equal bits."""
     differs: list[str] = []
-    """Tensors that differ from the reference (first 20 names), or that it lacks or adds."""
+    """Tensors that differ from the reference (first 20 names), or that it lacks or adds;
+    `<live model>` when its live model differs from the other replicas' (live_digest)."""
+    live_digest: str = ""
+    """The engine's hash of its live model (WorkerAck.live_checksum); "" where not separate."""
 
 
 class WeightCheck(Message, frozen=True, kw_only=True, tag="weight_check"):

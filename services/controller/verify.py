@@ -11,6 +11,8 @@ from rlbus.schemas import HashWeightsWorker, TensorChecksum, VerifyWeights, Weig
 from .fanout import Outcome
 from .fleet import Fleet, stamped
 
+LIVE_MODEL = "<live model>"
+"""Named in `differs` when a worker's live model differs from the other replicas' of its engine."""
 MAX_NAMED = 20
 """A worker's entry names this many differing tensors at most (the reply fits one message)."""
 
@@ -33,7 +35,8 @@ def digest(sums: dict[str, str]) -> str:
 
 def compare(out: Outcome, cmd: VerifyWeights) -> WeightCheck:
     """Every answer against the reference: the trainer's checksums when it sent them, else the
-    digest most workers share (a tie: the first worker's, in rank order)."""
+    digest most workers share (a tie: the first worker's, in rank order). Engines that hash
+    their live model apart (vLLM) are also compared with each other on it, the same way."""
     order = sorted(out.answers)
     held = {w: _sums(out.answers[w].tensor_checksums) for w in order}
     digests = {w: digest(s) for w, s in held.items()}
@@ -44,10 +47,16 @@ def compare(out: Outcome, cmd: VerifyWeights) -> WeightCheck:
         top = max(counts.values(), default=0)
         first = next((w for w in order if counts[digests[w]] == top), None)
         reference, kind = (held[first] if first is not None else {}), "replicas"
+    live = {w: out.answers[w].live_checksum for w in order if out.answers[w].live_checksum}
+    live_counts = Counter(live.values())
+    live_top = max(live_counts.values(), default=0)
+    live_ref = next((live[w] for w in order if w in live and live_counts[live[w]] == live_top), "")
     workers, mismatched = [], []
     for w in order:
         names = sorted(held[w].keys() | reference.keys())
         differs = [n for n in names if held[w].get(n) != reference.get(n)]
+        if w in live and live[w] != live_ref:  # its checkpoint copy may agree while what it computes with does not
+            differs.insert(0, LIVE_MODEL)
         if differs:
             mismatched.append(w)
         state = out.acks[w]
@@ -59,6 +68,7 @@ def compare(out: Outcome, cmd: VerifyWeights) -> WeightCheck:
                 tensors=len(held[w]),
                 digest=digests[w],
                 differs=differs[:MAX_NAMED],
+                live_digest=live.get(w, ""),
             )
         )
     return WeightCheck(

@@ -346,6 +346,11 @@ class Engine(abc.ABC):
     def parameters_of(self, target: UpdateTarget) -> Mapping[str, torch.Tensor]:
         """Live parameter tensors (receive in place into these)."""
 
+    async def live_checksum(self, target: UpdateTarget) -> str:
+        """One hash of the model this engine computes with, where that is not `parameters_of`
+        (vLLM: its own repacked layout, in its own processes); "" where it is."""
+        return ""
+
     @abc.abstractmethod
     async def load_weights(
         self,

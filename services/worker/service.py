@@ -442,7 +442,10 @@ class WorkerService:
         return self.ack()
 
     async def _hash_weights(self, cmd: HashWeightsWorker) -> WorkerAck:
-        return WorkerAck(state=self.state(), tensor_checksums=await hash_weights(self.engine, cmd.target))
+        sums = await hash_weights(self.engine, cmd.target)
+        return WorkerAck(
+            state=self.state(), tensor_checksums=sums, live_checksum=await self.engine.live_checksum(cmd.target)
+        )
 
     async def _offer_weights(self, cmd: OfferWeightsWorker) -> WorkerAck:
         if self.book.withheld:

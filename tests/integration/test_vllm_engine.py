@@ -494,3 +494,22 @@ async def test_an_aborted_session_drops_the_bytes_in_vllm_and_the_next_push_land
     for e in engines.values():
         r = await greedy_on(e, PROMPTS[0])
         assert r.tokens == await hf_greedy_async(models["base"], PROMPTS[0]) and r.weight_version == "after-abort"
+
+
+async def test_verify_weights_compares_what_each_vllm_replica_computes_with(fleet, models):
+    """Each vLLM worker also hashes its live, repacked model in its own processes: a replica
+    whose checkpoint copy agrees but whose live model does not is named."""
+    local, rl, engines = fleet
+    named = [(n, p.detach()) for n, p in models["other"].named_parameters()]
+    await rl.push_weights(named, version="verify-live")
+    check = await rl.verify_weights(named)
+    assert check.ok, check
+    digests = {w.worker_id: w.live_digest for w in check.workers}
+    assert all(digests.values()) and len(set(digests.values())) == 1, digests
+    await engines[WORKERS[1]].llm.collective_rpc("rlbus_perturb_live_for_tests")
+    check = await rl.verify_weights()
+    assert not check.ok and check.mismatched == [WORKERS[1]], check
+    bad = next(w for w in check.workers if w.worker_id == WORKERS[1])
+    assert bad.differs == ["<live model>"], bad  # its checkpoint copy still matches: only the live model differs
+    await rl.push_weights(named, version="verify-live-again")  # the whole model loads again
+    assert (await rl.verify_weights(named)).ok

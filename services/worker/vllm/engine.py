@@ -157,7 +157,8 @@ class VllmEngine(Engine):
         self._root = Path(tempfile.mkdtemp(prefix=f"{segment.PREFIX}{os.getpid()}-", dir=STAGING_DIR))
         self.main = _Part(options.model, self._root, "main")
         self.draft = _Part(options.draft_model, self._root, "draft") if options.draft_model else None
-        self.receiver = VllmReceiver(self)
+        self.vllm_receiver = VllmReceiver(self)
+        self.receiver = self.vllm_receiver
         self.llm: Any = _NotStarted()
         self._vllm_label: WeightLabel | None = None
         """The label vLLM was last given (its get_weight_version() says its version; None: not
@@ -434,6 +435,16 @@ class VllmEngine(Engine):
                 raise FailedPrecondition("this vLLM engine has no draft model; start the worker with --draft-model DIR")
             return self.draft
         return self.main
+
+    async def live_checksum(self, target: UpdateTarget) -> str:
+        """vLLM's live main model, hashed in each of its worker processes (its own repacked
+        layout: comparable between vLLM replicas of one model, not with the trainer's bits).
+        The draft is compared on its committed copy only ("")."""
+        if target != "main":
+            return ""
+        if self._restarting or isinstance(self.llm, _NotStarted):
+            raise Unavailable("vLLM is restarting on this worker; verify again once it serves")
+        return await self.vllm_receiver.live_digest(target)
 
     def param_specs(self, target: UpdateTarget) -> Mapping[str, ParamSpec]:
         """The checkpoint's names, dtypes and shapes: what a transformers trainer sends."""

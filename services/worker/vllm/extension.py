@@ -195,6 +195,22 @@ class RlbusWorkerExtension:
         sums = _SUMS.decode(tensor_checksums)
         STATE.start(key, lambda: check(s, checksums, sums))
 
+    def rlbus_live_digest(self, key: str, target: UpdateTarget) -> None:
+        """Hash the model this process computes with, in vLLM's own names and layout (its
+        repacked, fused parameters and buffers), in a thread: what verify_weights compares
+        between vLLM replicas. The fleet's lock keeps loads out while it runs."""
+        if target != "main":
+            raise TransferError("only the main model's live weights are hashed")
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        STATE.start(key, lambda: live_digest(model))
+
+    def rlbus_perturb_live_for_tests(self) -> None:
+        """Tests only: change one element of the live model behind rlbus's back (what a load
+        that silently went wrong leaves), for verify_weights to find."""
+        p = next(iter(self.model_runner.get_model().parameters()))  # type: ignore[attr-defined]
+        with torch.no_grad():
+            p.view(-1)[0] += 1
+
     def rlbus_abort(self, session_id: str | None) -> None:
         """Drop the session's bytes (`None`: whichever session); a receive still running stops."""
         s = STATE.session
@@ -203,6 +219,18 @@ class RlbusWorkerExtension:
             STATE.last_phases = s.phases
             STATE.session = None
             trim()
+
+
+def live_digest(model: torch.nn.Module) -> str:
+    """xxh3-128 over (name, checksum of the bytes) of every parameter and buffer, in name order."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0{checksum(as_bytes(t.cpu().contiguous()))}\n".encode())
+    return h.hexdigest()
 
 
 def trim() -> None:

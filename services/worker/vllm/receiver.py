@@ -92,6 +92,11 @@ class VllmReceiver:
 
     # ---- EngineReceiver ------------------------------------------------------------------
 
+    async def live_digest(self, target: UpdateTarget) -> str:
+        """One hash over every vLLM worker process's hash of its live model, by rank."""
+        digests = await self._job("rlbus_live_digest", target)
+        return digests[0] if len(digests) == 1 else _combine(digests)
+
     async def join(self, init: TransferInit, rank: int) -> None:
         self._joined = None
         await self._job("rlbus_join", _encode(init), rank)
@@ -123,3 +128,9 @@ class VllmReceiver:
 
     def abort(self, session_id: str) -> None:
         self._later("rlbus_abort", session_id)
+
+
+def _combine(digests: Sequence[str]) -> str:
+    import hashlib
+
+    return hashlib.blake2b("\n".join(digests).encode(), digest_size=16).hexdigest()
