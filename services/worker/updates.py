@@ -19,7 +19,7 @@ import ctypes
 import logging
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
 import anyio
 import torch
@@ -290,10 +290,6 @@ class WeightUpdates:
             if not buckets:
                 return  # nothing to receive: an empty update needs no group
             raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
-        if s.receiving == 0:
-            s.done = anyio.Event()
-        s.receiving += 1
-        s.verified = False
         sums = s.checksums
         sums.append([])
         mine = len(sums) - 1
@@ -355,6 +351,22 @@ class WeightUpdates:
                 into=_Live(s, live) if self.mode == "in_place" else None,
             )
 
+        async def work() -> None:
+            sums[mine] = await detached(receive_all, name="rlbus-receive")
+
+        def broken() -> None:
+            if self.rx is rx:
+                self.teardown()  # a broken group cannot be trusted for the next session
+
+        self._start_receive(s, work, broken, tg)
+
+    def _start_receive(self, s: _Session, work: Callable[[], Awaitable[None]], broken: Callable[[], None], tg) -> None:
+        """Run one receive in the background, counted in the session (prepare() waits for the
+        count to reach 0); a failure is kept for prepare, a broken group torn down."""
+        if s.receiving == 0:
+            s.done = anyio.Event()
+        s.receiving += 1
+        s.verified = False
         scope = anyio.CancelScope()
         s.receives.add(scope)
 
@@ -362,11 +374,10 @@ class WeightUpdates:
             try:
                 with scope:
                     async with self._recv_lock:
-                        sums[mine] = await detached(receive_all, name="rlbus-receive")
+                        await work()
             except TransferError as e:
                 s.failure = s.failure or e
-                if self.rx is rx:
-                    self.teardown()  # a broken group cannot be trusted for the next session
+                broken()
             except Exception as e:
                 log.exception("receive failed")
                 s.failure = s.failure or e
@@ -388,38 +399,19 @@ class WeightUpdates:
             if not buckets:
                 return
             raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
-        if s.receiving == 0:
-            s.done = anyio.Event()
-        s.receiving += 1
-        s.verified = False
         group = self.init.group_name
-        scope = anyio.CancelScope()
-        s.receives.add(scope)
 
-        async def run() -> None:
-            try:
-                with scope:
-                    async with self._recv_lock:
-                        s.check_live()
-                        await remote.receive(s.session_id, s.target, params, buckets)
-                        s.received.update(m.name for m in params)
-                        s.touched = s.touched or self.mode == "in_place"
-            except TransferError as e:
-                s.failure = s.failure or e
-                if self.init is not None and self.init.group_name == group:
-                    self.teardown()  # a broken group cannot be trusted for the next session
-            except Exception as e:
-                log.exception("receive failed")
-                s.failure = s.failure or e
-            finally:
-                s.receives.discard(scope)
-                if scope.cancelled_caught:
-                    s.failure = s.failure or TransferError("the receive was cancelled")
-                s.receiving -= 1
-                if s.receiving == 0:
-                    s.done.set()
+        async def work() -> None:
+            s.check_live()
+            await remote.receive(s.session_id, s.target, params, buckets)
+            s.received.update(m.name for m in params)
+            s.touched = s.touched or self.mode == "in_place"
 
-        tg.start_soon(run)
+        def broken() -> None:
+            if self.init is not None and self.init.group_name == group:
+                self.teardown()  # a broken group cannot be trusted for the next session
+
+        self._start_receive(s, work, broken, tg)
 
     async def prepare(
         self,
