@@ -135,6 +135,18 @@ def segment_bytes(pid: int) -> int:
     return sum(f.stat().st_size for d in Path("/dev/shm").glob(f"rlbus-vllm-{pid}-*") for f in d.rglob("*"))
 
 
+async def only_worker(rl: RLClient, worker_id: str, timeout: float) -> None:
+    """Wait until the controller is up and `worker_id` is the fleet's one worker."""
+    with anyio.fail_after(timeout):
+        while True:
+            try:
+                if [w.worker_id for w in (await rl.server_info()).workers] == [worker_id]:
+                    return
+            except Exception:  # controller not up yet
+                pass
+            await anyio.sleep(0.2)  # poll period: the bench waits on a process it started
+
+
 async def measure_vllm(a: argparse.Namespace) -> None:
     import shutil
     import tempfile
@@ -178,14 +190,7 @@ async def measure_vllm(a: argparse.Namespace) -> None:
             try:
                 rl = await RLClient.connect(server.url, timeout=300)
                 try:
-                    with anyio.fail_after(600):
-                        while True:
-                            try:
-                                if [w.worker_id for w in (await rl.server_info()).workers] == ["w0"]:
-                                    break
-                            except Exception:  # controller not up yet
-                                pass
-                            await anyio.sleep(0.5)
+                    await only_worker(rl, "w0", timeout=600)
                     await rl.init_weight_transfer(timeout_s=120)
                     await anyio.sleep(1.0)
                     procs = vllm_processes(worker.pid)
@@ -311,15 +316,7 @@ async def measure(
         try:
             rl = await RLClient.connect(server.url, timeout=120)
             try:
-                with anyio.fail_after(120):
-                    while True:
-                        try:
-                            info = await rl.server_info()
-                            if [w.worker_id for w in info.workers] == ["w0"]:
-                                break
-                        except Exception:  # controller not up yet
-                            pass
-                        await anyio.sleep(0.2)
+                await only_worker(rl, "w0", timeout=120)
                 await rl.init_weight_transfer()
                 await anyio.sleep(0.5)
                 baseline = proc_status(worker.pid)["VmRSS"]

@@ -31,6 +31,8 @@ from rlbus.services.worker.vllm.openai import OpenAIServer, withheld_reason  # n
 
 from rlbus.runners.local import LocalFleet  # noqa: E402
 from rlbus.sdk.client import RLClient  # noqa: E402
+from tests.integration import test_vllm_engine as engine_tests  # noqa: E402
+from tests.integration.test_vllm_engine import load_hf, named  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -66,18 +68,8 @@ def ids_of(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"t(\d+)", text)]
 
 
-def load_hf(folder) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int = TOKENS) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt) :].tolist()
-
-
-def named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p.detach()) for n, p in model.named_parameters()]
+    return engine_tests.hf_greedy(model, prompt, n)
 
 
 @pytest.fixture(scope="module")
