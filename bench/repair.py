@@ -1,6 +1,6 @@
 """Repair: a worker that is behind the committed weights gets them from a healthy peer.
 
-    python bench/repair.py [--size-mb 1024] [--reps 3] [--bucket-mb 64]
+    python bench/repair.py [--size-mb 1024] [--reps 3] [--bucket-mb 64] [--update-mode staged]
 
 A real fleet (controller and worker processes hosting a TinyLM of --size-mb, gloo): the
 trainer pushes once, then a new worker process (other initial weights) joins and is repaired
@@ -47,7 +47,7 @@ def detail_of(ev: FleetEvent) -> dict[str, str]:
 
 async def measure(url: str, a: argparse.Namespace, nbytes: int) -> dict[str, float]:
     cfg = config_for(a.size_mb)
-    flags = worker_flags(cfg, "staged")
+    flags = worker_flags(cfg, a.update_mode)
     fleet = ProcessFleet(url, 2, flags, log_level="WARNING")
     raw = ReceiverPool(1)
     fleet.start()
@@ -109,7 +109,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=int, default=64, help="the trainer's push (a repair plans its own buckets)")
+    ap.add_argument(
+        "--update-mode",
+        choices=["staged", "in_place"],
+        default="staged",
+        help="the workers' mode (a withheld worker repairs in place either way)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     cfg = config_for(a.size_mb)

@@ -57,6 +57,11 @@ class StartWeightUpdateWorker(WorkerCommand, frozen=True, kw_only=True, tag="sta
     target: UpdateTarget
     base_seq: int | None = None
     """A delta session's base (StartWeightUpdate.base_seq): refused unless the worker holds exactly it."""
+    repair: bool = False
+    """A repair from a peer (no trainer session): a worker that is withheld (behind, serving
+    nothing) lands the bytes in its live weights whatever its update mode, and hashes every
+    tensor as it lands; prepare checks those against the manifest (the bucket checksums are
+    not needed), and it serves only after the commit."""
 
 
 class UpdateWeightsWorker(WorkerCommand, frozen=True, kw_only=True, tag="update_weights"):

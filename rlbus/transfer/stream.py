@@ -260,9 +260,11 @@ def recv_buckets(
     landing: Landing | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     expected: Sequence[str] | None = None,
+    hash_buckets: bool = True,
 ) -> list[str]:
     """Receive every bucket, hash it, and call ``sink(name, view)`` per tensor; returns the
-    checksums it computed, in order.
+    checksums it computed, in order (none with ``hash_buckets=False``: the caller checks the
+    tensors some other way, e.g. a repair against the commit's manifest).
 
     The sink sees bytes before they are verified: treat them as provisional until the
     checksums were compared (staged: keep them aside; in place: the parameter is dirty
@@ -323,7 +325,8 @@ def recv_buckets(
             nxt = post(k + 1)
         buf = into_buf if into_buf is not None else view
         assert buf is not None
-        sums.append(checksum(buf, kind, seed=k))
+        if hash_buckets:
+            sums.append(checksum(buf, kind, seed=k))
         if land is not None:  # hashed where it arrived, then landed where the caller keeps it
             land.copy_(buf)
             buf = land

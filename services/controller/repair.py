@@ -8,9 +8,9 @@ and, under the fleet's lock (no session, no commit while it runs):
 1. takes the manifest: every healthy holder hashes what it serves (hash_weights); they must all
    agree, or nothing is sent (a peer with other bits is never a source);
 2. the peer hosts rank 0 of a new group (offer_weights); every behind worker joins it and opens
-   an ordinary dense update session;
-3. metadata, then bytes (send_weights), bucket range by bucket range; every receiver checks each
-   bucket against the peer's checksum and every tensor against the manifest (prepare);
+   a dense repair session (withheld, it lands the bytes in its live weights);
+3. metadata, then bytes (send_weights), bucket range by bucket range; every receiver hashes each
+   tensor where it landed and checks it against the manifest (prepare);
 4. the receivers commit exactly the committed version and seq, and leave the repair group.
 
 A failure aborts the repair on every receiver (nothing unverified is ever served) and it is
@@ -303,7 +303,9 @@ class Repairs:
             )
             joined.raise_for_failures("repair (joining the peer's group)")
             (
-                await self.fleet.send(stamped(StartWeightUpdateWorker, session_id=sid, target=target), receivers)
+                await self.fleet.send(
+                    stamped(StartWeightUpdateWorker, session_id=sid, target=target, repair=True), receivers
+                )
             ).raise_for_failures("repair (opening the session)")
             opened = True
             clock.mark("group")

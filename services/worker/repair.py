@@ -28,6 +28,10 @@ log = logging.getLogger("rlbus.worker.repair")
 ADDRESS_ENV = "RLBUS_ADVERTISE_ADDR"
 """The address other workers reach this one at, for a repair group it hosts (default loopback:
 set it on every worker host of a fleet that spans machines)."""
+BUCKET_BYTES = 8 << 20
+"""A repair's bucket size: every tensor of at least half of it travels alone, sent from its
+committed memory (no packing) and landed straight in the receiver's live parameter (a
+withheld receiver lands in place); only the small ones are packed."""
 MAX_TENSORS_PER_BUCKET = 512
 """Caps one shared bucket's tensors, so that its metadata fits one control message."""
 
@@ -66,7 +70,7 @@ class RepairSource:
             raise FailedPrecondition("its weights are asleep or discarded: it cannot be a repair source")
         self.close()
         named = sorted(self.engine.parameters_of(target).items())  # the committed bits, read in place
-        plan = prepare(named, max_tensors=MAX_TENSORS_PER_BUCKET)
+        plan = prepare(named, BUCKET_BYTES, max_tensors=MAX_TENSORS_PER_BUCKET)
         tx = trainer_transfer(init.backend)
         addr = os.environ.get(ADDRESS_ENV) or init.master_addr or "127.0.0.1"
         try:

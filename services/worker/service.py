@@ -395,7 +395,7 @@ class WorkerService:
             problem = self.updates.base_problem(cmd.target, cmd.base_seq)
             if problem:
                 raise FailedPrecondition(f"worker {self.id} cannot apply a delta: {problem}; push dense weights")
-        self.updates.start(cmd.session_id, cmd.target, cmd.base_seq)
+        self.updates.start(cmd.session_id, cmd.target, cmd.base_seq, repair=cmd.repair)
         return self.ack()
 
     async def _receive_weights(self, cmd: UpdateWeightsWorker) -> WorkerAck:

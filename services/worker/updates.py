@@ -6,6 +6,11 @@ in_place mode: tensors are received straight into the model's parameters (no ext
 memory, like vLLM); an abort after bytes arrived leaves the worker's weights dirty (its
 books say so), and the engine refuses generation until a later update commits.
 
+A repair session (a peer sends the committed weights to a worker that is behind) of the main
+model lands in place whatever the mode when the worker is withheld (it serves nothing until
+its main weights are the committed ones, and they are not anyway): no shadow copy, no copy at commit. Every tensor is hashed as
+it lands and prepare checks those against the commit's manifest instead of bucket checksums.
+
 A delta session (opened with a base commit sequence) may carry deltas: only the elements
 that changed since that commit. Staged, each is written onto a copy of the committed tensor
 (the copy is the staged tensor: the engine still receives full tensors at commit); in place,
@@ -38,7 +43,7 @@ from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidA
 from rlbus.transfer import delta
 from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, WorkerTransfer, detached
 from rlbus.transfer.buckets import as_bytes, validate
-from rlbus.transfer.checksum import checksum
+from rlbus.transfer.checksum import checksum, checksum_kind
 from rlbus.transfer.factory import worker_transfer
 from rlbus.transfer.stream import group_checksum_kind, recv_buckets, sole_tensor_bytes, verify
 
@@ -52,11 +57,26 @@ MAX_NAMED_PROBLEMS = 20
 
 
 class _Session:
-    def __init__(self, session_id: str, target: UpdateTarget, base_seq: int | None = None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        target: UpdateTarget,
+        base_seq: int | None = None,
+        *,
+        in_place: bool = False,
+        by_tensor: bool = False,
+    ) -> None:
         self.session_id = session_id
         self.target = target
         self.base_seq = base_seq
         """A delta session's base commit (the worker held exactly it when the session opened)."""
+        self.in_place = in_place
+        """Bytes land in the live parameters (the in_place mode, or a repair of a withheld worker)."""
+        self.by_tensor = by_tensor
+        """A repair: every tensor is hashed as it lands (`hashed`) and checked against the
+        manifest at prepare; buckets are not hashed."""
+        self.hashed: dict[str, str] = {}
+        """by_tensor: each received tensor's checksum, taken where it landed."""
         self.deltas: dict[str, str] = {}
         """Tensors built from a delta, with the checksum of what was built (hashed as it was
         built, while the next bucket arrives): each must match the trainer's at prepare."""
@@ -241,7 +261,11 @@ class WeightUpdates:
             return "it is withheld (not yet synced to the committed version)"
         return None
 
-    def start(self, session_id: str, target: UpdateTarget, base_seq: int | None = None) -> None:
+    def start(
+        self, session_id: str, target: UpdateTarget, base_seq: int | None = None, *, repair: bool = False
+    ) -> None:
+        """Open a session. ``repair``: a peer's repair (StartWeightUpdateWorker.repair): a
+        withheld worker receiving into its own processes lands it in place and hashes by tensor."""
         if self.session is not None:
             if self.session.session_id == session_id:
                 return
@@ -252,7 +276,12 @@ class WeightUpdates:
                 "(level 2: wake weights -> update -> wake kv_cache)"
             )
         self.engine.param_specs(target)  # refuses a target the engine does not have
-        self.session = _Session(session_id, target, base_seq)
+        by_tensor = repair and self.remote is None
+        # in place only for the main model: the worker stays withheld for as long as its main
+        # label is not the committed one, i.e. until this session commits (a draft's label
+        # does not withhold it, so a draft repair keeps its bytes aside)
+        in_place = self.mode == "in_place" or (by_tensor and target == "main" and self.book.withheld)
+        self.session = _Session(session_id, target, base_seq, in_place=in_place, by_tensor=by_tensor)
 
     def check(self, session_id: str, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]) -> None:
         """Names, dtypes and shapes against the model, before any byte moves."""
@@ -302,7 +331,7 @@ class WeightUpdates:
             """Receive straight into final memory: the live parameter (in_place, a bucket that
             is exactly one contiguous tensor) or a fresh buffer that becomes the staged copy."""
             s.check_live()
-            if self.mode == "staged":
+            if not s.in_place:
                 fresh = torch.empty(bucket.nbytes, dtype=torch.uint8)
                 staged_buffers.add(fresh.data_ptr())
                 return fresh
@@ -314,7 +343,7 @@ class WeightUpdates:
         def sink(name: str, view: torch.Tensor) -> None:
             m = deltas.get(name)
             if m is not None:
-                if self.mode == "in_place":
+                if s.in_place:
                     s.touch()
                     out = live[name]
                 else:
@@ -326,18 +355,21 @@ class WeightUpdates:
                     # the stream goes on (the group stays usable); prepare refuses the session
                     s.failure = s.failure or ChecksumMismatch(0, "", "", detail=f"undecodable delta: {e}")
                     return
-                if self.mode == "staged":
+                if not s.in_place:
                     s.staged[name] = out
                 s.deltas[name] = checksum(as_bytes(out), kind)
                 s.received.add(name)
                 return
-            if self.mode == "in_place":
+            if s.in_place:
                 s.touch()
                 if view.data_ptr() != live[name].data_ptr():  # not landed or copied there already
                     live[name].copy_(view)
+                view = live[name]
             else:
                 s.check_live()
-                s.staged[name] = view if view.untyped_storage().data_ptr() in staged_buffers else view.clone()
+                view = s.staged[name] = view if view.untyped_storage().data_ptr() in staged_buffers else view.clone()
+            if s.by_tensor:  # where it will be served from, while the next bucket arrives
+                s.hashed[name] = checksum(as_bytes(view), checksum_kind())  # the manifest's algorithm
             s.deltas.pop(name, None)  # sent again whole in this session
             s.received.add(name)
 
@@ -348,7 +380,8 @@ class WeightUpdates:
                 list(buckets),
                 sink,
                 landing=landing,
-                into=_Live(s, live) if self.mode == "in_place" else None,
+                into=_Live(s, live) if s.in_place else None,
+                hash_buckets=not s.by_tensor,
             )
 
         async def work() -> None:
@@ -433,6 +466,9 @@ class WeightUpdates:
             problem = await self.remote.verify(session_id, checksums, tensor_checksums)
             if problem:
                 s.failure = ChecksumMismatch(0, "", "", detail=problem)
+        elif s.failure is None and s.by_tensor:
+            if not tensor_checksums and s.received:
+                s.failure = ChecksumMismatch(0, "", "", detail="a repair without the manifest to verify it against")
         elif s.failure is None:
             try:
                 verify([c for part in s.checksums for c in part], checksums)
@@ -456,12 +492,15 @@ class WeightUpdates:
         missing = sorted(s.deltas.keys() - want.keys())
         if missing:
             return f"no result checksum from the trainer for delta tensors {missing[:MAX_NAMED_PROBLEMS]}"
+        unnamed = sorted(s.received - want.keys()) if s.by_tensor else []
+        if unnamed:
+            return f"the manifest does not name received tensors {unnamed[:MAX_NAMED_PROBLEMS]}"
         live = self.engine.parameters_of(s.target)
         bad = []
         for name, expected in want.items():
-            got = s.deltas.get(name)
+            got = s.deltas.get(name) or s.hashed.get(name)
             if got is None:
-                t = s.staged.get(name) if self.mode == "staged" and name in s.staged else live.get(name)
+                t = s.staged.get(name) if not s.in_place and name in s.staged else live.get(name)
                 got = checksum(as_bytes(t.cpu())) if name in s.received and t is not None else None
             if got != expected:
                 bad.append(name)
@@ -485,7 +524,7 @@ class WeightUpdates:
         if self.remote is not None and s.received:
             await self.remote.commit(session_id, s.target, version, take)
         elif held_bytes:
-            written = set() if self.mode == "staged" else s.received
+            written = s.received if s.in_place else set()
             await self.engine.load_weights(s.target, s.staged, written, loaded=take)
         else:
             take()
@@ -505,7 +544,7 @@ class WeightUpdates:
             self.remote.abort(s.session_id)
         if s.receiving:
             self.teardown()
-        if self.mode == "in_place" and touched:
+        if s.in_place and touched:
             self.book.tear(s.target)  # half-written: dirty (main); no delta may take the draft as a base
         s.staged.clear()
         self.session = None

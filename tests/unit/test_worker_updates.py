@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 import torch
-from rlbus.schemas import TransferInit, UpdateMode
+from rlbus.schemas import TensorChecksum, TransferInit, UpdateMode
 from rlbus.schemas.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from rlbus.services.worker import updates as worker_updates
 from rlbus.services.worker.book import Book
@@ -20,6 +20,8 @@ from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.updates import WeightUpdates
 
 from rlbus.transfer import TrainerTransfer, prepare, send_stream, trainer_transfer
+from rlbus.transfer.buckets import as_bytes
+from rlbus.transfer.checksum import checksum
 from tests.weights_helpers import MODEL, Named, assert_engine_holds, engine_snapshot, trained
 
 BUCKET = 4096
@@ -298,3 +300,77 @@ async def test_prepare_with_a_wrong_checksum_aborts_and_changes_nothing():
             await updates.commit("s1", "v1", 1)
     assert_engine_holds(updates.engine, before)
     assert updates.book.main.version == "default"
+
+
+# ---- a repair from a peer --------------------------------------------------------------------
+
+
+def manifest(named: Named) -> list[TensorChecksum]:
+    """The commit's manifest as the controller keeps it: every tensor's checksum."""
+    return [TensorChecksum(name=n, checksum=checksum(as_bytes(t))) for n, t in named]
+
+
+async def test_a_repair_of_a_withheld_staged_worker_lands_in_its_live_weights_and_commits_against_the_manifest():
+    updates = worker("staged")
+    assert updates.book.withheld, "a worker that has not synced is withheld"
+    where = {n: p.data_ptr() for n, p in updates.engine.model.named_parameters()}
+    named = trained(7)
+    async with shm_group(updates) as tx:
+        updates.start("r1", "main", repair=True)
+        async with anyio.create_task_group() as tg:
+            await send(updates, tx, "r1", named, tg)
+        await received_everything(updates)
+        assert updates.session is not None and not updates.session.staged, "no shadow copy was held"
+
+        await updates.prepare("r1", RECEIVE_TIMEOUT_S, [], tensor_checksums=manifest(named))
+        await updates.commit("r1", "v1", 3)
+    assert_engine_holds(updates.engine, named)
+    assert {n: p.data_ptr() for n, p in updates.engine.model.named_parameters()} == where, "received in place"
+    assert (updates.book.main.version, updates.book.main.seq) == ("v1", 3) and not updates.book.dirty
+
+
+async def test_a_repair_whose_bytes_are_not_the_manifest_is_refused_leaving_the_worker_dirty_and_withheld():
+    updates = worker("staged")
+    async with shm_group(updates) as tx:
+        updates.start("r1", "main", repair=True)
+        async with anyio.create_task_group() as tg:
+            await send(updates, tx, "r1", trained(8), tg)
+        with pytest.raises(Aborted) as err:
+            await updates.prepare("r1", RECEIVE_TIMEOUT_S, [], tensor_checksums=manifest(trained(9)))
+        assert "not bit-identical" in err.value.message
+        with pytest.raises(Internal):
+            await updates.commit("r1", "v1", 3)
+        assert updates.abort("r1")
+    assert updates.book.dirty and updates.book.withheld, "half-written: never served, never a delta base"
+    assert updates.book.main.version == "default"
+
+
+async def test_a_repair_must_name_every_received_tensor_in_its_manifest():
+    updates = worker("staged")
+    named = trained(10)
+    async with shm_group(updates) as tx:
+        updates.start("r1", "main", repair=True)
+        async with anyio.create_task_group() as tg:
+            await send(updates, tx, "r1", named, tg)
+        with pytest.raises(Aborted) as err:
+            await updates.prepare("r1", RECEIVE_TIMEOUT_S, [], tensor_checksums=manifest(named)[1:])
+        assert named[0][0] in err.value.message
+        with pytest.raises(Aborted) as err:
+            await updates.prepare("r1", RECEIVE_TIMEOUT_S, [])
+        assert "manifest" in err.value.message
+
+
+async def test_a_repair_of_a_worker_that_serves_keeps_its_weights_aside_until_the_commit():
+    updates = worker("staged")
+    updates.book.withhold(False)
+    before = engine_snapshot(updates.engine)
+    async with shm_group(updates) as tx:
+        updates.start("r1", "main", repair=True)
+        async with anyio.create_task_group() as tg:
+            await send(updates, tx, "r1", trained(11), tg)
+        await received_everything(updates)
+        assert updates.session is not None and updates.session.staged, "staged while it serves"
+        assert_engine_holds(updates.engine, before)
+        assert updates.abort("r1")
+    assert_engine_holds(updates.engine, before)
+    assert not updates.book.dirty
