@@ -1,7 +1,7 @@
 """Worker memory benchmark: peak RSS of a real worker process during a weight update.
 
     python bench/memory.py [--size-mb 256] [--bucket-mb 32] [--pushes 2] [--modes staged,in_place]
-    python bench/memory.py --engine vllm [--size-mb 128] [--pushes 2]
+    python bench/memory.py --engine vllm [--size-mb 128] [--pushes 2] [--modes staged,in_place]
 
 Per update mode it starts an embedded nats-server, a controller process and one worker
 process (`python -m rlbus worker --weight-transfer-backend gloo --update-mode MODE`, a
@@ -28,10 +28,10 @@ the received delta buckets and their decoded positions), and the trainer's: the 
 committed bits of every tensor sent, one model in its transfer dtype) plus what a push holds
 until its commit (the encoded deltas), measured from the process's RSS.
 
---engine vllm: one `rlbus worker --engine vllm` (a Qwen2 model folder of --size-mb, staged)
-and every process it runs, each sampled on its own: the rlbus worker (the NATS side: it carries
-no bytes), vLLM's engine core, vLLM's worker (where the bytes land: its extra is the staged
-update, then vLLM's load). The committed base is the /dev/shm segment vLLM starts from (shared
+--engine vllm: per mode one `rlbus worker --engine vllm --update-mode MODE` (a Qwen2 model
+folder of --size-mb) and every process it runs, each sampled on its own: the rlbus worker (the
+NATS side: it carries no bytes), vLLM's engine core, vLLM's worker (where the bytes land: its
+extra is the staged update, then vLLM's load; in place the bytes land in the segment). The committed base is the /dev/shm segment vLLM starts from (shared
 memory, counted once, beside the processes: pages a process touched of it also show in its RSS).
 """
 
@@ -148,6 +148,11 @@ async def only_worker(rl: RLClient, worker_id: str, timeout: float) -> None:
 
 
 async def measure_vllm(a: argparse.Namespace) -> None:
+    for mode in a.modes.split(","):
+        await measure_vllm_mode(a, mode)
+
+
+async def measure_vllm_mode(a: argparse.Namespace, mode: str) -> None:
     import shutil
     import tempfile
     from pathlib import Path
@@ -161,7 +166,10 @@ async def measure_vllm(a: argparse.Namespace) -> None:
         model_bytes = sum(t.numel() * t.element_size() for _, t in new)
         bucket = a.bucket_mb * MiB
         print(f"machine: {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}")
-        print(f"vLLM worker: Qwen2 {len(new)} tensors, {model_bytes / MiB:.0f} MiB float32; bucket {a.bucket_mb} MiB")
+        print(
+            f"vLLM worker ({mode}): Qwen2 {len(new)} tensors, {model_bytes / MiB:.0f} MiB float32; "
+            f"bucket {a.bucket_mb} MiB"
+        )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with NatsServer() as server, open(os.devnull, "w") as log:  # noqa: ASYNC230 - /dev/null does not block
             ctrl = _spawn(["controller", "--nats-url", server.url], log)
@@ -178,6 +186,8 @@ async def measure_vllm(a: argparse.Namespace) -> None:
                     str(folder),
                     "--weight-transfer-backend",
                     "gloo",
+                    "--update-mode",
+                    mode,
                     "--vllm-arg",
                     "max_model_len=256",
                     "--vllm-arg",
@@ -234,7 +244,8 @@ async def measure_vllm(a: argparse.Namespace) -> None:
     print(
         f"committed base: the /dev/shm segment, {segment / MiB:.0f} MiB = {segment / model_bytes:.2f} x model, once "
         "(vLLM starts and restarts from it; its worker reads a delta's base there and writes each commit there; "
-        "pages a process touched of it are in its RSS too). Staged target: the vLLM worker's extra <= model + 2 buckets."
+        "pages a process touched of it are in its RSS too). Targets: the vLLM worker's extra <= model + 2 buckets "
+        "(staged), <= 2 buckets + vLLM's reload transients (in_place)."
     )
 
 

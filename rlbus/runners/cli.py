@@ -172,11 +172,6 @@ def _serve_vllm(
 
     if model is None:
         raise click.UsageError("--engine vllm needs --model DIR (a model folder with config.json and *.safetensors)")
-    if opts.update_mode != "staged":
-        raise click.UsageError(
-            "--engine vllm receives into staged buffers only (vLLM repacks its live parameters); "
-            "use --update-mode staged"
-        )
     engine_args = _vllm_engine_args(vllm_arg)
     if enable_sleep_mode and "enable_sleep_mode" not in engine_args:
         import torch

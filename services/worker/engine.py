@@ -109,9 +109,17 @@ class EngineReceiver(Protocol):
         ...
 
     async def receive(
-        self, session_id: str, target: UpdateTarget, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]
+        self,
+        session_id: str,
+        target: UpdateTarget,
+        params: Sequence[ParamMeta],
+        buckets: Sequence[BucketMeta],
+        *,
+        in_place: bool = False,
     ) -> None:
-        """Receive one update's buckets (checked already); returns when every bucket arrived."""
+        """Receive one update's buckets (checked already); returns when every bucket arrived.
+        ``in_place``: into the engine's committed copy (no staged copy; torn if the session
+        does not commit)."""
         ...
 
     async def verify(

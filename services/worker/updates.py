@@ -435,10 +435,12 @@ class WeightUpdates:
         group = self.init.group_name
 
         async def work() -> None:
-            s.check_live()
-            await remote.receive(s.session_id, s.target, params, buckets)
+            if s.in_place and buckets:
+                s.touch()  # from the first byte on, the engine's committed copy may be torn
+            else:
+                s.check_live()
+            await remote.receive(s.session_id, s.target, params, buckets, in_place=s.in_place)
             s.received.update(m.name for m in params)
-            s.touched = s.touched or self.mode == "in_place"
 
         def broken() -> None:
             if self.init is not None and self.init.group_name == group:
@@ -522,7 +524,12 @@ class WeightUpdates:
 
         held_bytes = bool(s.staged or s.received)
         if self.remote is not None and s.received:
-            await self.remote.commit(session_id, s.target, version, take)
+            try:
+                await self.remote.commit(session_id, s.target, version, take)
+            except Exception:
+                if s.in_place and s.touched:
+                    self.book.tear(s.target)  # its committed copy holds bits no commit took here
+                raise
         elif held_bytes:
             written = s.received if s.in_place else set()
             await self.engine.load_weights(s.target, s.staged, written, loaded=take)

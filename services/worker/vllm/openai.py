@@ -281,6 +281,11 @@ def withheld_reason(worker: Any) -> Callable[[], str | None]:
                 f"worker {worker.id} is withheld from generation (not yet reconciled with the fleet, or behind "
                 "the committed weights); retry, or send the request to another worker"
             )
+        if worker.book.dirty:
+            return (
+                f"worker {worker.id} holds torn weights (an in-place update was aborted after bytes landed); "
+                "it serves again once a push or a repair commits"
+            )
         return None
 
     return why

@@ -111,9 +111,15 @@ class VllmReceiver:
         return self._joined == (group_name, self._engine.launches)
 
     async def receive(
-        self, session_id: str, target: UpdateTarget, params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]
+        self,
+        session_id: str,
+        target: UpdateTarget,
+        params: Sequence[ParamMeta],
+        buckets: Sequence[BucketMeta],
+        *,
+        in_place: bool = False,
     ) -> None:
-        await self._job("rlbus_receive", session_id, target, _encode(list(params)), _encode(list(buckets)))
+        await self._job("rlbus_receive", session_id, target, _encode(list(params)), _encode(list(buckets)), in_place)
 
     async def verify(
         self, session_id: str, checksums: Sequence[str], tensor_checksums: Sequence[TensorChecksum]
