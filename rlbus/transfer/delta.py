@@ -19,7 +19,7 @@ Where it runs: on the tensor's device. A GPU tensor is compared, encoded (its in
 blob built in GPU memory, ready for an NCCL bucket) and applied with torch ops there
 (:func:`_diff_torch`, :func:`write`); its base may be on the same GPU or in pinned host memory
 (then each chunk of the base is copied up as it is compared). A host tensor is compared by
-numpy a cache-sized slice at a time (:func:`_scan`), which beats torch's kernels on CPU;
+a compiled loop a cache-sized slice at a time (:func:`_scan`), which beats torch's kernels on CPU;
 ``RLBUS_DELTA=device`` runs the torch path on the host too (so CI exercises it).
 """
 
@@ -248,16 +248,13 @@ SCAN_WORDS = 1 << 15
 one's hash stay in the core's cache (measured on 2 cores: 16K-64K words do alike, 4M is 1.3x
 slower and a whole-tensor pass 2x)."""
 
-LANE_BATCH = 1 << 20
-"""Changed words gathered before their lanes are split into elements (bounds the scratch)."""
-
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclass
 class _Found:
     """What :func:`_scan` found: the changed elements' ascending flat positions (int32) and
-    new bits, in pieces, and the hash of the new tensor's bytes when one was asked for."""
+    new bits, in pieces."""
 
     changed: int
     positions: list[np.ndarray]
@@ -274,16 +271,18 @@ def _words(t: torch.Tensor) -> np.ndarray | None:
 
 def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delta | None = None) -> _Found | None:
     """The changed elements of ``a`` against ``b`` (flat bit views, one dtype, on the host), in
-    one pass a slice of 8-byte words at a time: the words that differ (a quarter of the
-    compares of bf16 elements, an eighth of the masks to search), the new words gathered while
-    they are in cache, and ``hasher`` fed the new bytes there too (so the result's checksum
-    costs no second read). Then the changed words' lanes give the elements. None when the
-    bytes are not whole words, there are 2^31 elements or more (int32 positions), or more
-    than ``limit`` elements changed (the caller encodes another way).
+    one pass a slice of 8-byte words at a time: a compiled loop (delta_kernel.py) compares each
+    word once and writes a changed one's elements (position, new bits) where it finds them,
+    and ``hasher`` is fed the new bytes while the slice is in cache (so the result's checksum
+    costs no second read). None when the bytes are not whole words, there are 2^31 elements
+    or more (int32 positions), or more than ``limit`` elements changed (the caller encodes
+    another way).
 
     ``under``: an int32 delta not yet written onto ``b`` (the last commit's): each slice of
     ``b`` gets its part just before it is compared, while it is in cache. ``b`` holds all of
     it when this returns, whatever it returns (and if it raises)."""
+    from rlbus.transfer.delta_kernel import changed_lanes  # numba's import: on the first delta only
+
     itemsize = a.element_size()
     wa, wb = _words(a), _words(b)
     if under is not None and (
@@ -294,14 +293,10 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
     if wa is None or wb is None or a.numel() > 2**31:
         return None
     lanes = 8 // itemsize
-    shift = lanes.bit_length() - 1
     lane_t = _UINT[itemsize]
-    mask = _scratch.bools(min(SCAN_WORDS, wa.size)).numpy()
-    found = _Found(changed=0, positions=[], values=[])
-    words: list[np.ndarray] = []
-    new: list[np.ndarray] = []
-    flips: list[np.ndarray] = []
-    held = 0
+    room = min(limit, a.numel())  # untouched pages cost nothing: only what is found is written
+    positions = np.empty(room, dtype=np.int32)
+    values = np.empty(room, dtype=lane_t)
     eb = wb.view(lane_t)
     if under is not None and under.changed:
         upos, uval = under.parts()
@@ -310,27 +305,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
         upos = uval = None  # type: ignore[assignment]
         ubound = []
     written = 0  # under's entries written onto b so far
-
-    def split() -> None:
-        """The elements of the gathered changed words: lane j of word w is element lanes*w + j
-        (little-endian), kept where its bits differ."""
-        nonlocal held
-        w, na = np.concatenate(words), np.concatenate(new)
-        x = np.concatenate(flips)
-        words.clear(), new.clear(), flips.clear()  # type: ignore[func-returns-value]
-        held = 0
-        if lanes == 1:
-            found.positions.append(w.astype(np.int32))
-            found.values.append(na.view(lane_t))
-            return
-        hit = np.flatnonzero(x.view(lane_t) != 0)
-        pos = (w.astype(np.int32) << shift)[hit >> shift]
-        pos |= (hit & (lanes - 1)).astype(np.int32)
-        found.positions.append(pos)
-        found.values.append(na.view(lane_t)[hit])
-        found.changed += hit.size
-
-    total = 0
+    k = 0
     try:
         for c, s in enumerate(range(0, wa.size, SCAN_WORDS)):
             ca, cb = wa[s : s + SCAN_WORDS], wb[s : s + SCAN_WORDS]
@@ -338,36 +313,17 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
                 lo, hi = ubound[c], ubound[c + 1]
                 eb[upos[lo:hi]] = uval[lo:hi]  # type: ignore[index]
                 written = hi
-            m = mask[: ca.size]
-            np.not_equal(ca, cb, out=m)
             if hasher is not None:
                 hasher.update(ca)
-            w = np.flatnonzero(m)
-            if not w.size:
-                continue
-            total += w.size  # at least one changed element a changed word
-            if total > limit:
+            k = changed_lanes(ca, cb, lanes, s, positions, values, k, room)
+            if k < 0:
                 return None
-            na = ca[w]
-            x = cb[w]
-            x ^= na
-            new.append(na)
-            flips.append(x)
-            w += s
-            words.append(w)
-            held += w.size
-            if held >= LANE_BATCH:
-                split()
-                if (found.changed if lanes > 1 else total) > limit:
-                    return None
-        if held:
-            split()
     finally:
         if upos is not None and written < upos.size:  # stopped early: the rest of the commit's delta
             eb[upos[written:]] = uval[written:]  # type: ignore[index]
-    if lanes == 1:
-        found.changed = total
-    return None if found.changed > limit else found
+    if k > limit:
+        return None
+    return _Found(changed=k, positions=[positions[:k]], values=[values[:k]])
 
 
 def _int32_limit(numel: int, itemsize: int) -> int:

@@ -215,9 +215,8 @@ def _changed(base: torch.Tensor, where: list[int]) -> torch.Tensor:
 
 @pytest.fixture
 def small_slices(monkeypatch):
-    """Slices of 8 words and lanes split every 4 changed words: a small tensor crosses many of both."""
+    """Slices of 8 words: a small tensor crosses many of them."""
     monkeypatch.setattr(D, "SCAN_WORDS", 8)
-    monkeypatch.setattr(D, "LANE_BATCH", 4)
     monkeypatch.setattr(D, "_CHUNK", 16)  # the torch path's chunks (host tensors), a multiple of 8
 
 
