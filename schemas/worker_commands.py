@@ -139,6 +139,9 @@ class SendWeightsWorker(WorkerCommand, frozen=True, kw_only=True, tag="send_weig
     first: int = 0
     last: int | None = None
     """Buckets first..last-1 of the plan (None: to the end); the receivers posted their receive first."""
+    checksums: bool = True
+    """Hash every bucket sent (`sent_checksums`); False: send only, the receivers verify every
+    tensor against the commit's manifest (a repair)."""
 
 
 class LeaveWeightTransferWorker(WorkerCommand, frozen=True, kw_only=True, tag="leave_weight_transfer"):

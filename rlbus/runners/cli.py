@@ -113,6 +113,14 @@ def vllm_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 help="--engine vllm: any other vLLM engine argument (AsyncEngineArgs field; VALUE parsed as JSON "
                 "when it can be), e.g. --vllm-arg max_model_len=1024 --vllm-arg dtype=bfloat16. Repeatable.",
             ),
+            click.option(
+                "--vllm-staging",
+                type=click.Choice(["host", "device"]),
+                default="host",
+                show_default=True,
+                help="--engine vllm, --update-mode staged: where an update waits for its commit in vLLM's worker: "
+                "host memory (pinned on a GPU host) or the GPU (when it fits beside vLLM; else host).",
+            ),
         ]
     ):
         f = opt(f)
@@ -164,6 +172,7 @@ def _serve_vllm(
     enable_sleep_mode: bool,
     metrics_port: int | None = None,
     openai_port: int | None = None,
+    staging: str = "host",
 ) -> None:
     """`rlbus worker --engine vllm`: start vLLM, serve it, shut vLLM down after the drain."""
     from rlbus.runners.serve import serve
@@ -181,7 +190,11 @@ def _serve_vllm(
     if openai_port is not None:  # the OpenAI server renders chats and text: vLLM needs the folder's tokenizer
         engine_args.setdefault("skip_tokenizer_init", False)
     vopts = VllmOptions(
-        model=model, draft_model=draft_model, num_speculative_tokens=num_speculative_tokens, engine_args=engine_args
+        model=model,
+        draft_model=draft_model,
+        num_speculative_tokens=num_speculative_tokens,
+        engine_args=engine_args,
+        staging=staging,  # type: ignore[arg-type]
     )
     started: list[VllmEngine] = []
 
@@ -261,6 +274,7 @@ def up(
     draft_model: str | None = None,
     vllm_arg: tuple[str, ...] = (),
     num_speculative_tokens: int = 4,
+    vllm_staging: str = "host",
 ) -> None:
     """Start NATS (embedded unless --nats-url), a controller and N workers; stay in the foreground.
 
@@ -292,7 +306,7 @@ def up(
             raise click.UsageError("--engine vllm needs --model DIR")
         engine_flags = ["--engine", "vllm", "--model", model, "--num-speculative-tokens", str(num_speculative_tokens)]
         engine_flags += ["--draft-model", draft_model] if draft_model else []
-        engine_flags += [f for a in vllm_arg for f in ("--vllm-arg", a)]
+        engine_flags += [f for a in vllm_arg for f in ("--vllm-arg", a)] + ["--vllm-staging", vllm_staging]
     fleet = ProcessFleet(
         url,
         workers,
@@ -549,6 +563,7 @@ def worker(
     vllm_arg: tuple[str, ...] = (),
     metrics_port: int | None = None,
     openai_port: int | None = None,
+    vllm_staging: str = "host",
 ) -> None:
     """Run a worker service hosting the reference engine, or vLLM (--engine vllm --model DIR)."""
     import os
@@ -600,6 +615,7 @@ def worker(
             enable_sleep_mode,
             metrics_port,
             openai_port,
+            vllm_staging,
         )
         return
     if openai_port is not None:

@@ -163,8 +163,11 @@ def send_stream(
     last: int | None = None,
     scratch: Sequence[torch.Tensor] | None = None,
     pack_every_bucket: bool = False,
+    hash_buckets: bool = True,
 ) -> list[str]:
-    """Send buckets ``first..last-1`` of the plan; returns their checksums, in order.
+    """Send buckets ``first..last-1`` of the plan; returns their checksums, in order (none
+    with ``hash_buckets=False``: the receivers check the tensors another way, e.g. a repair
+    against the commit's manifest).
 
     Bucket ``k+1`` is packed (into one of two scratch buffers) and hashed while bucket
     ``k`` is on the wire; at most two buckets are in flight. ``scratch``: two buffers of
@@ -198,7 +201,8 @@ def send_stream(
             buf = pack(k, p.per_bucket[k], lookup, scratch[slot][:size])
         elif buf.device != dev:  # type: ignore[union-attr]
             buf = buf.to(dev)  # type: ignore[union-attr]  # staged: hashed and sent from the group's device
-        sums.append(checksum(buf, kind, seed=k - first))  # type: ignore[arg-type]
+        if hash_buckets:
+            sums.append(checksum(buf, kind, seed=k - first))  # type: ignore[arg-type]
         if len(window) == 2:
             window.pop(0)[0].wait()
         window.append((tx.send(buf), buf))  # type: ignore[arg-type]

@@ -309,22 +309,21 @@ class Repairs:
             ).raise_for_failures("repair (opening the session)")
             opened = True
             clock.mark("group")
-            checksums: list[str] = []
             for params, buckets, first, last in chunks(offer.params, offer.buckets):
                 got = await self.fleet.send(
                     stamped(UpdateWeightsWorker, session_id=sid, params=params, buckets=buckets), receivers
                 )
                 got.raise_for_failures("repair (metadata)")
                 sent = await self.fleet.send(
-                    stamped(SendWeightsWorker, group_name=group, first=first, last=last),
+                    stamped(SendWeightsWorker, group_name=group, first=first, last=last, checksums=False),
                     [source],
                     timeout=self.opts.timeout_s,
                 )
                 sent.raise_for_failures(f"repair (sending from {source})")
-                checksums += sent.answers[source].sent_checksums
             clock.mark("bytes")
             prepared = await self.fleet.send(
-                stamped(PrepareWorker, session_id=sid, checksums=checksums, tensor_checksums=manifest), receivers
+                stamped(PrepareWorker, session_id=sid, tensor_checksums=manifest),
+                receivers,  # by tensor only
             )
             prepared.raise_for_failures("repair (verifying against the manifest)")
             clock.mark("verify")

@@ -94,9 +94,10 @@ class RepairSource:
     def group_name(self) -> str | None:
         return self._offer.init.group_name if self._offer is not None else None
 
-    async def send(self, group_name: str, first: int = 0, last: int | None = None) -> list[str]:
+    async def send(self, group_name: str, first: int = 0, last: int | None = None, checksums: bool = True) -> list[str]:
         """Send buckets first..last-1 of the offered plan once the group formed; their
-        checksums. A failure closes the group."""
+        checksums (none unless `checksums`: the receivers verify against the manifest). A
+        failure closes the group."""
         offer = self._offer
         if offer is None or offer.init.group_name != group_name:
             raise FailedPrecondition(f"no repair group {group_name!r} is offered by this worker")
@@ -119,6 +120,7 @@ class RepairSource:
                 last=last,
                 scratch=offer.scratch,
                 pack_every_bucket=every,
+                hash_buckets=checksums,
             )
 
         try:

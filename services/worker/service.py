@@ -455,7 +455,10 @@ class WorkerService:
         return WorkerAck(state=self.state(), offer=self.repair.offer(cmd.target, cmd.init_info))
 
     async def _send_weights(self, cmd: SendWeightsWorker) -> WorkerAck:
-        return WorkerAck(state=self.state(), sent_checksums=await self.repair.send(cmd.group_name, cmd.first, cmd.last))
+        return WorkerAck(
+            state=self.state(),
+            sent_checksums=await self.repair.send(cmd.group_name, cmd.first, cmd.last, cmd.checksums),
+        )
 
     async def _leave_transfer(self, cmd: LeaveWeightTransferWorker) -> WorkerAck:
         if self.repair.group_name == cmd.group_name:

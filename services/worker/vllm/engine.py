@@ -36,7 +36,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -66,6 +66,11 @@ class VllmOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Any other vllm.AsyncEngineArgs field (e.g. {"max_model_len": 512, "dtype": "bfloat16"});
     they override rlbus's defaults."""
     model_name: str | None = None
+    staging: Literal["host", "device"] = "host"
+    """Where a staged update's bytes wait for the commit in vLLM's worker process: `host`
+    (pinned memory on a GPU host: the copy at load is asynchronous), or `device` (the GPU vLLM
+    runs on, when the whole update fits in its free memory beside vLLM's own; else host, logged:
+    nothing crosses PCIe until the load, and the load copies on the device)."""
 
 
 def engine_args(options: VllmOptions, dtype: torch.dtype | None = None) -> dict[str, Any]:

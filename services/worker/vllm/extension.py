@@ -22,6 +22,7 @@ Imported by vLLM only (through the engine argument), in its worker processes.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,8 @@ from rlbus.transfer.stream import group_checksum_kind, recv_buckets, sole_tensor
 
 from ..updates import release_freed_memory
 from .segment import Segment
+
+log = logging.getLogger("rlbus.worker.vllm")
 
 MAX_NAMED = 20
 _PARAMS = msgspec.msgpack.Decoder(list[ParamMeta])
@@ -184,10 +187,17 @@ class RlbusWorkerExtension:
             STATE.rx = STATE.group = None
 
     def rlbus_receive(
-        self, key: str, session_id: str, target: UpdateTarget, params: bytes, buckets: bytes, in_place: bool = False
+        self,
+        key: str,
+        session_id: str,
+        target: UpdateTarget,
+        params: bytes,
+        buckets: bytes,
+        in_place: bool = False,
+        staging: str = "host",
     ) -> None:
         """Receive one update's buckets in a thread (the adapter runs one at a time, in order);
-        `in_place`: into the committed segment."""
+        `in_place`: into the committed segment; else staged where `staging` says (VllmOptions)."""
         metas, bucket_metas = _PARAMS.decode(params), _BUCKETS.decode(buckets)
         s = STATE.session
         if s is None or s.id != session_id:
@@ -197,7 +207,9 @@ class RlbusWorkerExtension:
             raise TransferError("this vLLM worker is in no transfer group; init_weight_transfer first")
         s.verified = False
         base = STATE.segments[target].tensors
-        STATE.start(key, lambda: receive(rx, s, metas, bucket_metas, base))
+        free = torch.cuda.mem_get_info()[0] if staging == "device" and torch.cuda.is_available() else None
+        where = None if in_place else staging_device(staging, sum(b.nbytes for b in bucket_metas), free)
+        STATE.start(key, lambda: receive(rx, s, metas, bucket_metas, base, where))
 
     def rlbus_verify(self, key: str, session_id: str, checksums: list[str], tensor_checksums: bytes) -> None:
         """Phase 1 of finish, in a thread: the job's result is why the session fails, or None."""
@@ -233,6 +245,23 @@ class RlbusWorkerExtension:
             trim()
 
 
+STAGING_HEADROOM = 512 << 20
+"""GPU memory left free beside a device-staged update (vLLM's own transients at load)."""
+
+
+def staging_device(asked: str, need: int, free: int | None) -> torch.device | None:
+    """Where a staged update of `need` bytes waits for its commit: the current GPU when
+    `asked` is "device" and it fits in `free` bytes of its memory (with STAGING_HEADROOM to
+    spare); None (host memory) otherwise, said in the log when device staging was asked."""
+    if asked != "device":
+        return None
+    if free is None or need + STAGING_HEADROOM > free:
+        why = "no GPU" if free is None else f"{need >> 20} MiB + headroom > {free >> 20} MiB free"
+        log.warning("staging the update in host memory, not on the device: %s", why)
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def live_digest(model: torch.nn.Module) -> str:
     """xxh3-128 over (name, checksum of the bytes) of every parameter and buffer, in name order."""
     import xxhash
@@ -256,10 +285,11 @@ def receive(
     params: Sequence[ParamMeta],
     buckets: Sequence[BucketMeta],
     base: dict[str, torch.Tensor],
+    device: torch.device | None = None,
 ) -> None:
-    """Receive every bucket straight into a buffer of its own (pinned host memory where CUDA
-    is: the device copy at load is then asynchronous and fast), keep its tensors as views of
-    it, build delta-encoded tensors on a copy of the committed one. In place: a bucket that is
+    """Receive every bucket straight into a buffer of its own (on `device` when given: the
+    GPU, see :func:`staging_device`; else pinned host memory where CUDA is: the device copy at
+    load is then asynchronous and fast), keep its tensors as views of it, build delta-encoded tensors on a copy of the committed one. In place: a bucket that is
     one tensor lands in the committed segment's tensor, the others are copied there, and a
     delta is applied there."""
     t0 = time.perf_counter()
@@ -272,7 +302,10 @@ def receive(
         s.check_live()
         if s.in_place:
             return sole_tensor_bytes(metas, bucket.nbytes, base)
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        if device is not None:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        else:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=pinned)
         own.add(buf.data_ptr())
         return buf
 
@@ -325,11 +358,14 @@ def check(s: Session, checksums: Sequence[str], sums: Sequence[TensorChecksum]) 
 def _check(s: Session, checksums: Sequence[str], sums: Sequence[TensorChecksum]) -> str | None:
     if s.problem:
         return s.problem
-    try:
-        verify(s.checksums, checksums)
-    except ChecksumMismatch as e:
-        return str(e)
     want = {c.name: c.checksum for c in sums}
+    if checksums or not want:
+        try:
+            verify(s.checksums, checksums)
+        except ChecksumMismatch as e:
+            return str(e)
+    elif unnamed := sorted(s.received - want.keys()):  # a repair: every tensor against the manifest
+        return f"the manifest does not name received tensors {unnamed[:MAX_NAMED]}"
     missing = sorted(s.deltas.keys() - want.keys())
     if missing:
         return f"no result checksum from the trainer for delta tensors {missing[:MAX_NAMED]}"

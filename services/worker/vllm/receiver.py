@@ -34,6 +34,8 @@ class _Host(Protocol):
     """The adapter (engine.py) as this sees it."""
 
     llm: Any
+    options: Any
+    """The engine's VllmOptions (its `staging`)."""
     launches: int
     """vLLM starts so far: a restarted vLLM's workers are in no group."""
 
@@ -119,7 +121,15 @@ class VllmReceiver:
         *,
         in_place: bool = False,
     ) -> None:
-        await self._job("rlbus_receive", session_id, target, _encode(list(params)), _encode(list(buckets)), in_place)
+        await self._job(
+            "rlbus_receive",
+            session_id,
+            target,
+            _encode(list(params)),
+            _encode(list(buckets)),
+            in_place,
+            self._engine.options.staging,
+        )
 
     async def verify(
         self, session_id: str, checksums: Sequence[str], tensor_checksums: Sequence[TensorChecksum]
