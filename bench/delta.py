@@ -4,7 +4,7 @@ stepped with Adam at RL learning rates, pushed to R worker processes as a delta
 bytes and (b) rlbus's dense push of the same weights, measured in turn in the same run.
 
     python bench/delta.py [--size-mb 1024] [--receivers 1,2,3] [--lrs 1e-6,1e-5] [--reps 3]
-                          [--mode in_place|staged] [--bucket-mb 16]
+                          [--mode in_place|staged] [--bucket-mb 16] [--encode-threads N]
 
 --size-mb is the served (bf16) size: the trainer holds the float32 master (2x), Adam's two
 moments (4x) and, for deltas, the committed bf16 bits (1x). Workers are real
@@ -149,6 +149,8 @@ async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, mas
     try:
         rl = await fleet.wait_ready(timeout=900)  # R workers build a 1 GiB model each on 2 shared cores
         rl.timeout = 600
+        if a.encode_threads:
+            rl.push.encode_threads = a.encode_threads
         await rl.init_weight_transfer(timeout_s=300)
         await rl.pause("abort")  # an in_place fleet serves nothing while its weights are overwritten
 
@@ -215,6 +217,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="in_place", choices=["in_place", "staged"])
     ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument(
+        "--encode-threads", type=int, default=0, help="the trainer's compare threads (0: the SDK's default)"
+    )
     ap.add_argument("--warmup", type=int, default=20, help="Adam steps per learning rate before measuring (not timed)")
     a = ap.parse_args()
     torch.set_num_threads(1)
