@@ -12,14 +12,12 @@ first delta, not per push.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numba
 import numpy as np
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _changed_lanes(
+def changed_lanes(
     new: np.ndarray,
     old: np.ndarray,
     lanes: int,
@@ -29,6 +27,11 @@ def _changed_lanes(
     k: int,
     limit: int,
 ) -> int:
+    """Compare two int64 word slices (``new``, ``old``: the same length, word ``first_word`` of
+    their tensors on), each word ``lanes`` elements of ``64 / lanes`` bits, little-endian.
+    Every element whose bits differ is appended at ``k``: its flat position (int32) to
+    ``positions``, its new bits to ``values`` (the unsigned type of its width). Returns the
+    new count, or -1 once it would pass ``limit`` (both outputs hold at least ``limit``)."""
     width = 64 // lanes
     mask = (1 << width) - 1 if lanes > 1 else -1
     for i in range(new.size):
@@ -52,22 +55,3 @@ def _changed_lanes(
                 values[k] = nv
                 k += 1
     return k
-
-
-def changed_lanes(
-    new: np.ndarray,
-    old: np.ndarray,
-    lanes: int,
-    first_word: int,
-    positions: np.ndarray,
-    values: np.ndarray,
-    k: int,
-    limit: int,
-) -> int:
-    """Compare two int64 word slices (``new``, ``old``: the same length, word ``first_word`` of
-    their tensors on), each word ``lanes`` elements of ``64 / lanes`` bits, little-endian.
-    Every element whose bits differ is appended at ``k``: its flat position (int32) to
-    ``positions``, its new bits to ``values`` (the unsigned type of its width). Returns the
-    new count, or -1 once it would pass ``limit`` (both outputs hold at least ``limit``)."""
-    fn: Any = _changed_lanes
-    return int(fn(new, old, lanes, first_word, positions, values, k, limit))
