@@ -1,5 +1,6 @@
 """Helpers of the cluster tests (a real 3-node NATS cluster on loopback): an in-process fleet
-on the cluster, and a subscriber on one node that records what it receives."""
+on the cluster, a subscriber on one node that records what it receives, and a probe that a KV
+bucket takes writes again after its nodes came back."""
 
 from __future__ import annotations
 
@@ -79,3 +80,15 @@ class Published:
 
     def versions(self) -> list[str]:
         return [v.version for v in self.seen]
+
+
+async def takes_writes(nc, bucket: str) -> bool:
+    """The KV bucket's stream acknowledges a write: after its nodes come back (or a partition
+    heals) an elected leader may still answer 503 ("JetStream system temporarily unavailable")
+    while its replicas catch up, and the controller's writes then fail as UNAVAILABLE."""
+    try:
+        kv = await nc.jetstream(timeout=1.0).key_value(bucket)
+        await kv.put("probe-quorum", b"1")
+    except Exception:
+        return False
+    return True

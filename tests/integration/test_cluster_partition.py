@@ -26,7 +26,7 @@ from rlbus.bus.connection import connect, drain
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
 from rlbus.sdk.client import RLClient
-from tests.clusterfleet import Published
+from tests.clusterfleet import Published, takes_writes
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, new_version, trained
@@ -128,6 +128,13 @@ async def test_a_partitioned_leader_acts_on_nothing_and_the_standby_on_the_major
             # healed: the old leader's next renewal finds the lease taken; it steps down
             await eventually(lambda: leader.lease_lost, timeout=30, what="the old leader stepped down")
             await eventually(lambda: leading.all_running() is False, timeout=15, what="the old leader stopped")
+            for bucket in (subjects.kv_bucket, subjects.replies_bucket):  # healed, their streams catch up
+                await eventually(
+                    lambda bucket=bucket: takes_writes(standby_nc, bucket),
+                    timeout=30,
+                    interval=0.1,
+                    what=f"{bucket} takes writes again",
+                )
             v3 = new_version("after-partition")
             with anyio.fail_after(60):
                 third = await rl.push_weights(trained(73), v3)

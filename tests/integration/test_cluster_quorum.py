@@ -11,7 +11,7 @@ from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate
 
 import rlbus
 from rlbus.runners.natsserver import NatsCluster
-from tests.clusterfleet import cluster_fleet
+from tests.clusterfleet import cluster_fleet, takes_writes
 from tests.waiting import eventually
 from tests.weights_helpers import VersionEvents, assert_holds, new_version, trained
 
@@ -49,17 +49,6 @@ async def _has_leader(nc, stream: str) -> bool:
     except Exception:
         return False
     return info.cluster is not None and info.cluster.leader is not None
-
-
-async def _takes_writes(nc, bucket: str) -> bool:
-    """The state stream acknowledges a write (an elected leader may still answer 503 while its
-    replicas catch up: "JetStream system temporarily unavailable")."""
-    try:
-        kv = await nc.jetstream(timeout=1.0).key_value(bucket)
-        await kv.put("probe-quorum", b"1")
-    except Exception:
-        return False
-    return True
 
 
 def _no_quorum(e: rlbus.RLBusError) -> bool:
@@ -123,7 +112,7 @@ async def test_without_quorum_nothing_changes_and_the_fleet_recovers_with_its_ve
             what="the state stream elected a leader again",
         )
         await eventually(
-            lambda: _takes_writes(f.controller.nc, rl.subjects.kv_bucket),
+            lambda: takes_writes(f.controller.nc, rl.subjects.kv_bucket),
             timeout=30,
             interval=0.1,
             what="the state stream takes writes again",
