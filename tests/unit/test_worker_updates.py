@@ -345,19 +345,22 @@ async def test_a_repair_whose_bytes_are_not_the_manifest_is_refused_leaving_the_
     assert updates.book.main.version == "default"
 
 
-async def test_a_repair_must_name_every_received_tensor_in_its_manifest():
+async def _repaired_without(manifest_of: list[TensorChecksum]) -> Aborted:
+    """A repair of one withheld worker, prepared against `manifest_of`: the refusal."""
     updates = worker("staged")
-    named = trained(10)
     async with shm_group(updates) as tx:
         updates.start("r1", "main", repair=True)
         async with anyio.create_task_group() as tg:
-            await send(updates, tx, "r1", named, tg)
+            await send(updates, tx, "r1", trained(10), tg)
         with pytest.raises(Aborted) as err:
-            await updates.prepare("r1", RECEIVE_TIMEOUT_S, [], tensor_checksums=manifest(named)[1:])
-        assert named[0][0] in err.value.message
-        with pytest.raises(Aborted) as err:
-            await updates.prepare("r1", RECEIVE_TIMEOUT_S, [])
-        assert "manifest" in err.value.message
+            await updates.prepare("r1", RECEIVE_TIMEOUT_S, [], tensor_checksums=manifest_of)
+    return err.value
+
+
+async def test_a_repair_must_name_every_received_tensor_in_its_manifest():
+    named = trained(10)
+    assert named[0][0] in (await _repaired_without(manifest(named)[1:])).message
+    assert "manifest" in (await _repaired_without([])).message
 
 
 async def test_a_repair_of_a_worker_that_serves_keeps_its_weights_aside_until_the_commit():

@@ -371,11 +371,11 @@ def _check(s: Session, checksums: Sequence[str], sums: Sequence[TensorChecksum])
     if missing:
         return f"no result checksum from the trainer for delta tensors {missing[:MAX_NAMED]}"
     bad = []
+    held = s.base if s.in_place else s.staged  # where the received tensors are
     for name, expected in want.items():
         got = s.deltas.get(name)
-        held = s.staged.get(name) if not s.in_place else s.base.get(name) if name in s.received else None
-        if got is None and held is not None:  # a repair's manifest: hashed as hash_weights hashes
-            got = checksum(as_bytes(held), checksum_kind())
+        if got is None and name in s.received and name in held:  # a repair's manifest: as hash_weights hashes
+            got = checksum(as_bytes(held[name]), checksum_kind())
         if got != expected:
             bad.append(name)
     if bad:
