@@ -90,8 +90,11 @@ def delta_layout_problem(m: ParamMeta) -> str | None:
 _MEMMOVE_BELOW = 1 << 20
 """pack copies a tensor smaller than this with ctypes.memmove (see pack)."""
 
-SOLO_FRACTION = 2
-"""A tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own."""
+SOLO_FRACTION = 4
+"""A tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own. A quarter,
+not a half: packing costs a copy on the trainer and one on every receiver, which on gloo cost
+more than the extra broadcasts (bench/push.py, tinylm's 4 MiB tensors in 16 MiB buckets:
+2.4 GB/s alone against 1.8-2.1 packed at R = 1, 1.4 against 1.0-1.3 at R = 2)."""
 
 
 def plan(
@@ -99,7 +102,7 @@ def plan(
 ) -> tuple[list[ParamMeta], list[int]]:
     """Assign every tensor a 64-byte-aligned range in a bucket.
 
-    A tensor of at least half a bucket travels alone, in a bucket of exactly its size
+    A tensor of at least a quarter of a bucket travels alone, in a bucket of exactly its size
     (larger than ``bucket_bytes`` if the tensor is): it is sent straight from the
     tensor's memory and, where the receiver can, lands straight in its destination, so
     it is never copied and never splits a shared bucket. The smaller tensors are packed,

@@ -30,7 +30,7 @@ from rlbus.transfer import (
     trainer_transfer,
     worker_transfer,
 )
-from rlbus.transfer.buckets import as_bytes
+from rlbus.transfer.buckets import SOLO_FRACTION, as_bytes
 
 CPU_BACKENDS = ["gloo", "shm"]
 BUCKET = 4096
@@ -130,12 +130,13 @@ class ReadLog(dict):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_tensor_travelling_alone_is_sent_from_its_memory_and_lands_in_the_destination(backend):
     named = model()
-    p = prepare(named, BUCKET)
+    bucket = 2 * BUCKET  # every layer's tensors under a quarter of it: "big" alone travels alone
+    p = prepare(named, bucket)
     lookup = dict(named)
     solo = {
         ms[0].name
         for ms in p.per_bucket
-        if len(ms) == 1 and lookup[ms[0].name].numel() * lookup[ms[0].name].element_size() * 2 >= BUCKET
+        if len(ms) == 1 and lookup[ms[0].name].numel() * lookup[ms[0].name].element_size() * SOLO_FRACTION >= bucket
     }
     assert solo == {"big"}
     sent: list = []

@@ -73,7 +73,7 @@ def round_trip(named, bucket_bytes):
 def test_pack_unpack_round_trip_is_bit_identical_for_every_dtype(bucket_bytes):
     named = mixed_model()
     out = round_trip(named, bucket_bytes)
-    assert list(out) == [n for n, _ in named]
+    assert sorted(out) == sorted(n for n, _ in named)  # every tensor, once (in bucket order)
     for name, t in named:
         got = out[name]
         assert got.dtype == t.dtype and got.shape == t.shape, name
@@ -89,17 +89,17 @@ def test_plan_keeps_input_order_and_aligns_every_offset():
     assert sorted({m.bucket for m in metas}) == list(range(len(sizes)))
 
 
-def test_a_tensor_of_half_a_bucket_or_more_travels_alone_and_small_ones_share_around_it():
+def test_a_tensor_of_a_quarter_of_a_bucket_or_more_travels_alone_and_small_ones_share_around_it():
     named = [
-        ("a", torch.zeros(10)),
-        ("half", torch.zeros(25)),
-        ("b", torch.zeros(10)),
+        ("a", torch.zeros(12)),  # 48 bytes: just under a quarter of 200
+        ("quarter", torch.zeros(13)),  # 52 bytes
+        ("b", torch.zeros(12)),
         ("big", torch.zeros(300)),
-        ("c", torch.zeros(10)),
+        ("c", torch.zeros(12)),
     ]
     metas, sizes = plan(named, 200)
     by_name = {m.name: m for m in metas}
-    for solo in ("half", "big"):
+    for solo in ("quarter", "big"):
         m = by_name[solo]
         assert m.offset == 0 and [o.name for o in metas if o.bucket == m.bucket] == [solo]
         assert sizes[m.bucket] == m.nbytes
