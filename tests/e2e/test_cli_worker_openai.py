@@ -108,9 +108,8 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
         headers, body = await _complete(client)
         assert headers["x-rlbus-weight-version"] == "cli-1" and body.choices[0].text
 
-        in_flight = asyncio.create_task(
-            _complete(client, max_tokens=1500)
-        )  # long enough that a heartbeat sees it running
+        # long enough that a heartbeat sees it running
+        in_flight = asyncio.create_task(_complete(client, max_tokens=1500))
         await eventually(
             lambda: _answered_in_flight(rl), timeout=60, interval=0.05, what="the long request running in vLLM"
         )
