@@ -161,7 +161,10 @@ class DurableReplies(Protocol):
         """Keep `running` under the id unless the id holds something: then return that."""
         ...
 
-    async def put(self, command_id: str, stored: StoredReply) -> None: ...
+    async def put(self, command_id: str, stored: StoredReply) -> Callable[[], Awaitable[None]]:
+        """Keep `stored`: sent when this returns, ahead of anything sent after it (the reply);
+        the call returned waits for the store's acknowledgement."""
+        ...
 
 
 def fingerprint(op: str, data: bytes) -> str:
@@ -179,6 +182,8 @@ class ReplyCache:
     def __init__(self, size: int = 512, durable: DurableReplies | None = None) -> None:
         self._done: OrderedDict[str, StoredReply] = OrderedDict()
         self._running: dict[str, tuple[str, anyio.Event]] = {}
+        self._unacked: dict[str, Callable[[], Awaitable[None]]] = {}
+        """Answers sent to the store ahead of their reply, whose acknowledgement is awaited after it."""
         self.size = size
         self.durable = durable
 
@@ -240,8 +245,11 @@ class ReplyCache:
                     )
             else:
                 stored = StoredReply(print_, await work())
-                if store is not None:  # kept before it is sent: a retry after a crash gets this answer
-                    await store.put(command_id, stored)
+                if store is not None:
+                    # kept before it is sent: its write goes out ahead of the reply on the one
+                    # connection, so the server has it before the caller can; settle() awaits the
+                    # store's acknowledgement once the reply is out
+                    self._unacked[command_id] = await store.put(command_id, stored)
             self._done[command_id] = stored
             while len(self._done) > self.size:
                 self._done.popitem(last=False)
@@ -249,6 +257,12 @@ class ReplyCache:
         finally:
             del self._running[command_id]
             ev.set()
+
+    async def settle(self, command_id: str) -> None:
+        """After the reply: wait for the store to acknowledge the answer sent ahead of it."""
+        acked = self._unacked.pop(command_id, None) if command_id else None
+        if acked is not None:
+            await acked()
 
 
 async def _recovered(recover: Callable[[], Awaitable[bytes | None]] | None) -> bytes | None:
@@ -326,10 +340,11 @@ class Endpoints:
                     return self._gated(gate, route, handler, cmd, print_)
                 return self._answer(route, handler, cmd, print_)
 
-            if route.runs_inline(cmd) and cmd.command_id not in self.replies:  # type: ignore[attr-defined]
-                await self._reply(req, work, counted=False)
+            command_id: str = cmd.command_id  # type: ignore[attr-defined]
+            if route.runs_inline(cmd) and command_id not in self.replies:
+                await self._reply(req, work, counted=False, command_id=command_id)
             else:
-                self.spawn(req, work)
+                self.spawn(req, work, command_id)
 
         return on_request
 
@@ -353,10 +368,10 @@ class Endpoints:
 
         return on_message
 
-    def spawn(self, req: Request, work: Callable[[], Awaitable[bytes]]) -> None:
+    def spawn(self, req: Request, work: Callable[[], Awaitable[bytes]], command_id: str = "") -> None:
         self._in_flight += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
-        self._tg.start_soon(self._reply, req, work)
+        self._tg.start_soon(self._reply, req, work, True, command_id)
 
     async def _gated(self, gate: Gate, route: Route[Any], handler: Handler, cmd: Any, print_: str) -> bytes:
         try:
@@ -393,13 +408,18 @@ class Endpoints:
         except RLBusError as e:  # the id was used for another command, or the store could not claim it
             return encode(e.to_nack())
 
-    async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes]], *, counted: bool = True) -> None:
+    async def _reply(
+        self, req: Request, work: Callable[[], Awaitable[bytes]], counted: bool = True, command_id: str = ""
+    ) -> None:
+        """Run `work`, reply with its answer, then wait for the durable store to acknowledge the
+        answer it was sent ahead of the reply (a drain waits for that too)."""
         try:
             data = await work()
             try:
                 await req.respond(data)
             except Exception as e:  # connection closed mid-reply: nothing else to tell
                 log.warning("%s: could not reply: %s", self._name, e)
+            await self.replies.settle(command_id)
         finally:
             if counted:
                 self._in_flight -= 1

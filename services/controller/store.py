@@ -8,6 +8,7 @@ commit decision (a CommitDecision), the push lease (a PushLease, or null when fr
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -19,7 +20,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.errors import ConnectionReconnectingError, NoRespondersError, StaleConnectionError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, PubAck, StorageType
 from nats.js.errors import (
     APIError,
     BadRequestError,
@@ -182,6 +183,30 @@ class StateStore:
     async def put(self, key: str, value: bytes) -> int:
         return await self._guard(f"write {key}", lambda: self.kv.put(key, value))
 
+    async def put_ahead(self, key: str, value: bytes) -> Callable[[], Awaitable[int]]:
+        """A put sent now and acknowledged later. When this returns the write is on the
+        connection, ahead of whatever this process sends after it (a reply): the server receives
+        it first, so a process that dies after replying has not lost it. The call it returns
+        waits for the store's acknowledgement; a first attempt that failed (no leader yet, the
+        bucket recreated) is sent again as put(), within the patience."""
+        try:
+            sent: asyncio.Future[PubAck] | None = await self.kv._js.publish_async(f"{self.kv._pre}{key}", value)
+        except Exception as e:  # the connection is down: the put below says so
+            log.debug("put of %s not sent ahead: %s", key, e)
+            sent = None
+
+        async def acked() -> int:
+            if sent is not None:
+                try:
+                    with anyio.fail_after(self.patience_s):
+                        return (await sent).seq or 0
+                except Exception as e:
+                    sent.cancel()  # a future never answered is dropped from the client's table
+                    log.debug("put of %s sent ahead failed (%s): sending it again", key, e)
+            return await self.put(key, value)
+
+        return acked
+
     async def create(self, key: str, value: bytes) -> int:
         return await self._guard(f"create {key}", lambda: self.kv.create(key, value))
 
@@ -313,9 +338,12 @@ class ReplyStore:
 
     A command is claimed before it runs: one create of its id (a write the bucket's quorum
     takes, so a controller cut off from it runs nothing: UNAVAILABLE, as any state store call).
-    The claim that finds the id taken reads what is there. The answer is kept before it is sent;
-    a store that cannot take that write costs the durability of the answer, never the answer
-    itself (the claim stays: a retry after a restart is refused, never run twice)."""
+    The claim that finds the id taken reads what is there. The answer is sent to the store ahead
+    of the reply on the same connection and acknowledged after it: the server has it before the
+    caller can have the reply, so a controller that dies after replying has not lost it, and the
+    reply waits for no round trip. A store that cannot take that write costs the durability of
+    the answer, never the answer itself (the claim stays: a retry after a restart is refused,
+    never run twice)."""
 
     def __init__(self, store: StateStore) -> None:
         self.store = store
@@ -354,11 +382,19 @@ class ReplyStore:
                 return _stored.decode(raw)
             # expired (or deleted) between the two calls: claim it again
 
-    async def put(self, command_id: str, stored: StoredReply) -> None:
-        try:
-            await self.store.put(self._key(command_id), encode(stored))
-        except Exception as e:
-            log.warning("answer to command %s not kept in KV: %s", command_id, e)
+    async def put(self, command_id: str, stored: StoredReply) -> Callable[[], Awaitable[None]]:
+        """Keep an answer: sent when this returns, ahead of the reply; the call it returns waits
+        for the store to acknowledge it (a write the store refuses is logged: the answer still
+        goes out, and the claim stays, so a retry is refused rather than run twice)."""
+        acked = await self.store.put_ahead(self._key(command_id), encode(stored))
+
+        async def kept() -> None:
+            try:
+                await acked()
+            except Exception as e:
+                log.warning("answer to command %s not kept in KV: %s", command_id, e)
+
+        return kept
 
 
 _stored = msgspec.json.Decoder(StoredReply)

@@ -13,6 +13,8 @@ import time
 import uuid
 
 import anyio
+import msgspec
+import nats
 import pytest
 from rlbus.schemas import (
     FleetAck,
@@ -28,6 +30,8 @@ from rlbus.schemas import (
     reply_decoder,
 )
 from rlbus.services.controller.service import ControllerOptions
+from rlbus.services.controller.store import ReplyStore
+from rlbus.services.endpoints import StoredReply
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
@@ -110,6 +114,48 @@ async def test_a_second_pause_writes_no_desired_state(fleet, raw, prefix):
     finally:
         await rl.resume()
     assert await _writes(raw, prefix, KvKey.DESIRED, before) == 1, "the resume's change was not written"
+
+
+async def test_an_answers_write_reaches_nats_before_the_reply_does(fleet, raw, prefix, nats_server):
+    """The answer is not awaited before the reply (its acknowledgement comes after), but its write
+    leaves first on the controller's one connection: a subscriber sees the claim, then the answer,
+    then the reply; and the store holds the answer the caller got."""
+    f, rl = fleet
+    cid = uuid.uuid4().hex
+    key = f"$KV.{Subjects(prefix).replies_bucket}.{ReplyStore._key(cid)}"
+    inbox = raw.new_inbox()
+    seen: list[str] = []
+    replied = anyio.Event()
+    replies: list[bytes] = []
+
+    async def on_any(msg) -> None:
+        if msg.subject in (key, inbox):
+            seen.append("reply" if msg.subject == inbox else "kv")
+        if msg.subject == inbox:
+            replies.append(msg.data)
+            replied.set()
+
+    sniffer = await nats.connect(nats_server.url)
+    try:
+        await sniffer.subscribe(">", cb=on_any)
+        await sniffer.flush()
+        await raw.subscribe(inbox)  # the reply needs a subscriber to be routed at all
+        await raw.flush()
+        await raw.publish(Subjects(prefix).control("pause"), encode(Pause(mode="abort", command_id=cid)), reply=inbox)
+        with anyio.fail_after(10):
+            await replied.wait()
+        assert seen == ["kv", "kv", "reply"], f"the claim and the answer must reach NATS before the reply: {seen}"
+        kv = await raw.jetstream().key_value(Subjects(prefix).replies_bucket)
+
+        async def kept() -> StoredReply | None:  # stored once the server has written it (its ack)
+            stored = msgspec.json.decode((await kv.get(ReplyStore._key(cid))).value, type=StoredReply)
+            return stored if stored.answered else None
+
+        stored = await eventually(kept, timeout=5, what="the answer stored")
+        assert stored.reply == replies[0], "the store holds another answer than the reply"
+    finally:
+        await sniffer.close()
+        await rl.resume()
 
 
 async def test_a_retry_after_a_controller_restart_gets_the_first_answer_and_runs_once(fleet, raw, prefix, nats_server):

@@ -1,6 +1,7 @@
-"""The reply cache keeps a state-changing command's answer before it is sent, and a command that
-started but never answered (its process died) is not run twice on retry: answered from the state its
-run left where its route can say, else refused; no server."""
+"""The reply cache sends a state-changing command's answer to the store before it returns it (the
+write goes out ahead of the reply; its acknowledgement is awaited after), and a command that started
+but never answered (its process died) is not run twice on retry: answered from the state its run
+left where its route can say, else refused; no server."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from rlbus.services.endpoints import ReplyCache, StoredReply
 
 
 class DictReplies:
-    """A DurableReplies in a dict, whose writes wait for `gate` (a slow store)."""
+    """A DurableReplies in a dict: a put is recorded as sent at once; its acknowledgement waits
+    for `gate` (a slow store)."""
 
     def __init__(self) -> None:
         self.kept: dict[str, StoredReply] = {}
+        self.sent: list[str] = []
         self.gate = anyio.Event()
 
     async def claim(self, command_id: str, running: StoredReply) -> StoredReply | None:
@@ -22,27 +25,36 @@ class DictReplies:
         self.kept[command_id] = running
         return None
 
-    async def put(self, command_id: str, stored: StoredReply) -> None:
-        if stored.answered:
+    async def put(self, command_id: str, stored: StoredReply):
+        self.sent.append(command_id)
+
+        async def acked() -> None:
             await self.gate.wait()
-        self.kept[command_id] = stored
+            self.kept[command_id] = stored
+
+        return acked
 
 
-async def test_an_answer_is_not_returned_before_the_store_kept_it():
+async def test_an_answer_is_sent_to_the_store_before_it_is_returned_and_settled_after():
     store = DictReplies()
     cache = ReplyCache(durable=store)
     answered: list[bytes] = []
+    settled = anyio.Event()
 
     async def run() -> None:
         answered.append(await cache.run("c1", "pause:x", lambda: _answer(b"ok"), durable=True))
+        await cache.settle("c1")
+        settled.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         await anyio.wait_all_tasks_blocked()
-        assert not store.kept["c1"].answered, "the command is marked started before it runs"
-        assert not answered, "the answer went out before the store kept it"
+        assert store.sent == ["c1"], "the answer was returned before its write went to the store"
+        assert answered == [b"ok"], "the answer waited for the store's acknowledgement"
+        assert not store.kept["c1"].answered and not settled.is_set(), "settle() did not wait for the ack"
         store.gate.set()
-    assert answered == [b"ok"] and store.kept["c1"] == StoredReply("pause:x", b"ok")
+    assert store.kept["c1"] == StoredReply("pause:x", b"ok")
+    await cache.settle("c1")  # settled once: a second settle has nothing to wait for
 
 
 async def test_a_command_that_started_and_never_answered_is_refused_on_retry_not_run_again():
