@@ -181,7 +181,9 @@ class ReplyCache:
 
     def __init__(self, size: int = 512, durable: DurableReplies | None = None) -> None:
         self._done: OrderedDict[str, StoredReply] = OrderedDict()
-        self._running: dict[str, tuple[str, anyio.Event]] = {}
+        self._running: dict[str, list[Any]] = {}
+        """Each running command's [fingerprint, the Event a duplicate waits on (made by the first
+        duplicate: most commands have none, and an Event costs more than the dedup itself)]."""
         self._unacked: dict[str, Callable[[], Awaitable[None]]] = {}
         """Answers sent to the store ahead of their reply, whose acknowledgement is awaited after it."""
         self.size = size
@@ -214,15 +216,16 @@ class ReplyCache:
         if not command_id:
             return await work()
         while command_id in self._running:  # a duplicate arrived while the first runs
-            running_print, ev = self._running[command_id]
-            self._check(command_id, print_, running_print)
-            await ev.wait()
+            first = self._running[command_id]
+            self._check(command_id, print_, first[0])
+            if first[1] is None:
+                first[1] = anyio.Event()
+            await first[1].wait()
         if command_id in self._done:
             stored = self._done[command_id]
             self._check(command_id, print_, stored.fingerprint)
             return stored.reply
-        ev = anyio.Event()
-        self._running[command_id] = (print_, ev)
+        self._running[command_id] = [print_, None]
         try:
             store = self.durable if durable else None
             # kept before it runs (claimed): a retry after a crash mid-run is not run again
@@ -255,8 +258,9 @@ class ReplyCache:
                 self._done.popitem(last=False)
             return stored.reply
         finally:
-            del self._running[command_id]
-            ev.set()
+            waited = self._running.pop(command_id)[1]
+            if waited is not None:
+                waited.set()
 
     async def settle(self, command_id: str) -> None:
         """After the reply: wait for the store to acknowledge the answer sent ahead of it."""

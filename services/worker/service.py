@@ -297,7 +297,8 @@ class WorkerService:
 
     def _routes(self) -> Routes:
         """The worker's dispatch table. Inline handlers never wait (answered inside the NATS
-        callback); pause waits for requests in wait/keep mode, so it is inline only when idle."""
+        callback); pause waits for requests in wait/keep mode, so it is inline only when idle, and
+        prepare only when every receive is done and nothing is left to hash in a thread."""
         r = Routes()
         r.add(PauseWorker, self._pause, inline=self._idle)
         r.add(ResumeWorker, self._resume, inline=True)
@@ -307,7 +308,7 @@ class WorkerService:
         r.add(InitWeightTransferWorker, self._join_transfer)
         r.add(StartWeightUpdateWorker, self._open_session, inline=True)
         r.add(UpdateWeightsWorker, self._receive_weights)
-        r.add(PrepareWorker, self._prepare)
+        r.add(PrepareWorker, self._prepare, inline=self._prepares_at_once)
         r.add(CommitWorker, self._commit)
         r.add(AbortWeightUpdateWorker, self._abort_session, inline=True)
         r.add(UpdateWeightVersionWorker, self._set_version)
@@ -321,6 +322,10 @@ class WorkerService:
     def _idle(self, cmd: PauseWorker) -> bool:
         """No request in flight: a pause in any mode returns at once, so it can run inline."""
         return self.engine.status().in_flight == 0
+
+    def _prepares_at_once(self, cmd: PrepareWorker) -> bool:
+        """Every receive done, nothing to hash in a thread: the prepare compares checksums only."""
+        return self.updates.prepares_at_once(cmd.session_id, cmd.tensor_checksums)
 
     def _fenced(self, handler: Handler) -> Handler:
         async def run(cmd: WorkerCommand) -> object:

@@ -448,6 +448,21 @@ class WeightUpdates:
 
         self._start_receive(s, work, broken, tg)
 
+    def prepares_at_once(self, session_id: str, tensor_checksums: Sequence[TensorChecksum] = ()) -> bool:
+        """prepare() would not wait: every receive of the session is done and nothing is left
+        to hash in a thread or ask of a remote engine (a dense in-process session: its bucket
+        checksums are compared as they are). Such a prepare answers inside the NATS callback."""
+        s = self.session
+        return (
+            s is not None
+            and s.session_id == session_id
+            and not s.receiving
+            and self.remote is None
+            and not s.by_tensor
+            and not s.deltas
+            and not tensor_checksums
+        )
+
     async def prepare(
         self,
         session_id: str,
