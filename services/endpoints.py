@@ -262,6 +262,9 @@ class ReplyCache:
             if waited is not None:
                 waited.set()
 
+    def unsettled(self, command_id: str) -> bool:
+        return bool(command_id) and command_id in self._unacked
+
     async def settle(self, command_id: str) -> None:
         """After the reply: wait for the store to acknowledge the answer sent ahead of it."""
         acked = self._unacked.pop(command_id, None) if command_id else None
@@ -423,7 +426,10 @@ class Endpoints:
                 await req.respond(data)
             except Exception as e:  # connection closed mid-reply: nothing else to tell
                 log.warning("%s: could not reply: %s", self._name, e)
-            await self.replies.settle(command_id)
+            if counted:
+                await self.replies.settle(command_id)
+            elif self.replies.unsettled(command_id):  # inside the NATS callback: never wait there
+                self._tg.start_soon(self.replies.settle, command_id)
         finally:
             if counted:
                 self._in_flight -= 1
