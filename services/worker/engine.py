@@ -221,6 +221,10 @@ class Engine(abc.ABC):
         """Requests the model runs without a resume (status.in_flight)."""
         return self._active()
 
+    def requests_in_flight(self) -> int:
+        """status().in_flight alone, without building the rest of the status."""
+        return self._in_flight()
+
     def _held_back(self) -> int:
         """Requests queued inside the model behind a pause (counted as waiting)."""
         return 0

@@ -70,7 +70,7 @@ from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 from rlbus.bus.connection import request, stop_service
 
 from .book import Book, WeightLabel
-from .engine import Engine
+from .engine import Engine, EngineStatus
 from .repair import RepairSource
 from .updates import WeightUpdates
 from .verify import hash_weights
@@ -321,7 +321,7 @@ class WorkerService:
 
     def _idle(self, cmd: PauseWorker) -> bool:
         """No request in flight: a pause in any mode returns at once, so it can run inline."""
-        return self.engine.status().in_flight == 0
+        return self.engine.requests_in_flight() == 0
 
     def _prepares_at_once(self, cmd: PrepareWorker) -> bool:
         """Every receive done, nothing to hash in a thread: the prepare compares checksums only."""
@@ -341,18 +341,19 @@ class WorkerService:
 
     # ---- pause, sleep and their opposites: one way to the state asked for -----------------
 
-    def _held_state(self) -> FleetState:
-        """Where the engine stands, as a target: a command changes one part of it."""
-        st = self.engine.status()
+    @staticmethod
+    def _held_state(st: EngineStatus) -> FleetState:
+        """Where the engine stands (its status `st`), as a target: a command changes one part of it."""
         return FleetState(
             paused=st.paused, pause_mode=st.pause_mode, sleep_level=st.sleep_level, sleeping_tags=st.sleeping_tags
         )
 
-    async def converge(self, want: FleetState) -> None:
+    async def converge(self, want: FleetState, held: EngineStatus | None = None) -> None:
         """Bring the engine to `want`: paused in its mode (or running), the parts asleep that it
         names and no others. Every pause, resume, sleep and wake goes through here, commanded
-        one at a time or synced as a whole (the fleet's desired state)."""
-        held = self.engine.status()
+        one at a time or synced as a whole (the fleet's desired state). `held`: the engine's
+        status read just before, with nothing awaited since."""
+        held = held or self.engine.status()
         if want.paused and (not held.paused or held.pause_mode != want.pause_mode):
             await self.engine.pause(want.pause_mode or "abort")
         elif not want.paused and held.paused:
@@ -367,23 +368,27 @@ class WorkerService:
             await self.engine.wake_up(to_wake)
 
     async def _pause(self, cmd: PauseWorker) -> WorkerAck:
-        await self.converge(msgspec.structs.replace(self._held_state(), paused=True, pause_mode=cmd.mode))
+        st = self.engine.status()
+        await self.converge(msgspec.structs.replace(self._held_state(st), paused=True, pause_mode=cmd.mode), st)
         return self.ack()
 
     async def _resume(self, cmd: ResumeWorker) -> WorkerAck:
-        await self.converge(msgspec.structs.replace(self._held_state(), paused=False, pause_mode=None))
+        st = self.engine.status()
+        await self.converge(msgspec.structs.replace(self._held_state(st), paused=False, pause_mode=None), st)
         return self.ack()
 
     async def _sleep(self, cmd: SleepWorker) -> WorkerAck:
-        held, tags = self._held_state(), _tags(cmd.tags)
+        st, tags = self.engine.status(), _tags(cmd.tags)
+        held = self._held_state(st)
         asleep = [t for t in SLEEP_TAGS if t in tags or t in held.sleeping_tags]
-        await self.converge(msgspec.structs.replace(held, sleep_level=cmd.level, sleeping_tags=asleep))
+        await self.converge(msgspec.structs.replace(held, sleep_level=cmd.level, sleeping_tags=asleep), st)
         return self.ack()
 
     async def _wake_up(self, cmd: WakeUpWorker) -> WorkerAck:
-        held, tags = self._held_state(), _tags(cmd.tags)
+        st, tags = self.engine.status(), _tags(cmd.tags)
+        held = self._held_state(st)
         awake = [t for t in held.sleeping_tags if t not in tags]
-        await self.converge(msgspec.structs.replace(held, sleeping_tags=awake))
+        await self.converge(msgspec.structs.replace(held, sleeping_tags=awake), st)
         return self.ack()
 
     # ---- the other commands -----------------------------------------------------------------
