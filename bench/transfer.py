@@ -85,6 +85,8 @@ def serve_one(cmd: dict) -> None:
     kind = cmd["kind"]
     if kind in ("raw", "shm", "chunked"):
         bufs = alloc_buffers(max(cmd["sizes"]), 1 if len(cmd["sizes"]) == 1 else 2)
+    elif kind == "landed":
+        whole = alloc_buffers(sum(cmd["sizes"]), 1)[0]  # memory the size of the model, pages touched
     elif kind == "rlbus":
         params = msgspec.json.decode(cmd["params"].encode(), type=list[ParamMeta])
         buckets = msgspec.json.decode(cmd["buckets"].encode(), type=list[BucketMeta])
@@ -105,6 +107,16 @@ def serve_one(cmd: dict) -> None:
                 if k + 1 < len(sizes):
                     pending = rx.recv(bufs[(k + 1) % 2][: sizes[k + 1]])
                 checksum(bufs[k % 2][:n])
+        elif kind == "landed":  # as chunked, but each chunk lands where the model keeps it
+            sizes, offs = cmd["sizes"], [0]
+            for n in sizes:
+                offs.append(offs[-1] + n)
+            pending = rx.recv(whole[: sizes[0]])
+            for k in range(len(sizes)):
+                pending.wait()
+                if k + 1 < len(sizes):
+                    pending = rx.recv(whole[offs[k + 1] : offs[k + 2]])
+                checksum(whole[offs[k] : offs[k + 1]])
         elif kind == "rlbus":
             # as an in_place worker does: a bucket that is one tensor lands in it directly
             recv_buckets(

@@ -43,12 +43,12 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
         (
             "push.py",
             ["--size-mb", "8", "--receivers", "1", "--reps", "1", "--bucket-mb", "1"],
-            [rf"^\s+1\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}\s+{RATIO}$"],
+            [rf"^\s+1(\s+{RATIO}){{7}}$"],  # raw, rlbus, rlbus/raw, bare, rlbus/bare, landed, rlbus/landed
         ),
         (
             "push.py",
             ["--model", "small", "--size-mb", "8", "--receivers", "1", "--reps", "1", "--bucket-mb", "1"],
-            [rf"^\s+1(\s+{RATIO}){{7}}$"],
+            [rf"^\s+1(\s+{RATIO}){{9}}$"],  # and naive, rlbus/naive
         ),
         (
             "delta.py",
