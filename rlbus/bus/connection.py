@@ -97,15 +97,16 @@ class Denials:
     """
 
     def __init__(self) -> None:
-        self._watchers: dict[str, list[anyio.Event]] = {}
+        self._watchers: dict[str, list[_Watch]] = {}
         self.seen: list[tuple[str, str]] = []
         self.on_denied: Callable[[str, str], None] | None = None
 
     def report(self, action: str, subject: str) -> None:
         subject = subject.lower()  # nats-py lower-cases the server's error text
         self.seen.append((action, subject))
-        for ev in self._watchers.get(subject, []):
-            ev.set()
+        for w in self._watchers.get(subject, []):
+            w.event.set()
+            w.scope.cancel()  # the call waiting on it stops at once
         if action == "publish" and subject.startswith(REPLY_INBOX):
             log.warning(
                 "NATS denied a reply to %s (a discovery request to every service, say): that requester "
@@ -124,18 +125,21 @@ class Denials:
 
 
 class _Watch:
+    """A call on `subject` that a denial stops: `event` is set and `scope` (the call's) cancelled."""
+
     def __init__(self, denials: Denials, subject: str) -> None:
         self.denials, self.subject, self.event = denials, subject, anyio.Event()
+        self.scope = anyio.CancelScope()
 
-    def __enter__(self) -> anyio.Event:
+    def __enter__(self) -> _Watch:
         self.subject = self.subject.lower()
-        self.denials._watchers.setdefault(self.subject, []).append(self.event)
-        return self.event
+        self.denials._watchers.setdefault(self.subject, []).append(self)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         lst = self.denials._watchers.get(self.subject, [])
-        if self.event in lst:
-            lst.remove(self.event)
+        if self in lst:
+            lst.remove(self)
         if not lst:
             self.denials._watchers.pop(self.subject, None)
 
@@ -302,23 +306,12 @@ async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> M
     if inbox:
         raise PermissionDenied(inbox)
     outcome: list[Msg | Exception] = []
-    with denials.watch(subject) as denied:
-        async with anyio.create_task_group() as tg:
-
-            async def ask() -> None:
-                try:
-                    outcome.append(await nc.request(subject, payload, timeout=timeout))
-                except Exception as e:
-                    outcome.append(e)
-                tg.cancel_scope.cancel()
-
-            async def refused() -> None:
-                await denied.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(ask)
-            tg.start_soon(refused)
-    if denied.is_set():
+    with denials.watch(subject) as watch, watch.scope:  # a denial cancels the scope: no task to wait on it
+        try:
+            outcome.append(await nc.request(subject, payload, timeout=timeout))
+        except Exception as e:
+            outcome.append(e)
+    if watch.event.is_set():
         raise PermissionDenied(
             f"the NATS server denies this identity publishing to {subject}; check its credentials and role"
         )
