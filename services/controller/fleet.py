@@ -124,25 +124,20 @@ def stamped(command: type[AnyWorkerCommand], **fields: object) -> Unstamped:
 
 async def alongside(persist: Awaitable[object], work: Awaitable[T]) -> T:
     """Run `work` (a fan-out) while `persist` writes to KV: the answer waits for both, so it is
-    durable when answered, at the cost of the slower of the two. The fan-out's error first."""
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    async def save() -> None:
-        try:
-            await persist
-        except Exception as e:
-            errors.append(e)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(save)
-        try:
-            result.append(await work)
-        except Exception as e:  # a refusal from the fan-out: raised as it is, not in a group
-            errors.insert(0, e)
-    if errors:
-        raise errors[0]
-    return result[0]
+    durable when answered, at the cost of the slower of the two. The fan-out's error first.
+    The write runs as a future of the loop's (as `together`'s do: a task in an anyio group costs
+    ~30 us a command); it is cancelled if the caller is, and awaited to its end otherwise."""
+    saving = asyncio.ensure_future(persist)
+    try:
+        result = await work
+    except BaseException as e:
+        if not isinstance(e, Exception):  # cancelled (the caller's deadline): the write goes too
+            saving.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(saving, return_exceptions=True)
+        raise
+    await saving  # its error, if it failed
+    return result
 
 
 async def together(*writes: Awaitable[object]) -> None:
