@@ -5,6 +5,9 @@ parked task cancelled with the group is never handed a command; no server."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import anyio
 from rlbus.services.endpoints import PARKED_RUNNERS, Endpoints
 
@@ -32,6 +35,28 @@ class CountingGroup:
         self.tg.start_soon(fn, *args)
 
 
+@asynccontextmanager
+async def _counted() -> AsyncIterator[tuple[CountingGroup, Endpoints]]:
+    """Endpoints in a task group that counts the tasks it starts; the group is cancelled after."""
+    async with anyio.create_task_group() as tg:
+        group = CountingGroup(tg)
+        yield group, Endpoints(group, "test")  # type: ignore[arg-type]
+        tg.cancel_scope.cancel()
+
+
+def _spawned(eps: Endpoints, n: int, data: bytes, gate: anyio.Event | None = None) -> list[Req]:
+    reqs = [Req() for _ in range(n)]
+    for req in reqs:
+        eps.spawn(req, _answering(data, gate))  # type: ignore[arg-type]
+    return reqs
+
+
+async def _all_answered_and_parked(eps: Endpoints) -> None:
+    with anyio.fail_after(5):
+        await eps.wait_idle()
+    await anyio.wait_all_tasks_blocked()
+
+
 def _answering(data: bytes, gate: anyio.Event | None = None):
     async def work() -> bytes:
         if gate is not None:
@@ -42,9 +67,7 @@ def _answering(data: bytes, gate: anyio.Event | None = None):
 
 
 async def test_commands_one_after_another_run_in_one_task():
-    async with anyio.create_task_group() as tg:
-        group = CountingGroup(tg)
-        eps = Endpoints(group, "test")  # type: ignore[arg-type]
+    async with _counted() as (group, eps):
         for k in range(5):
             req = Req()
             eps.spawn(req, _answering(b"%d" % k))  # type: ignore[arg-type]
@@ -55,48 +78,29 @@ async def test_commands_one_after_another_run_in_one_task():
         assert group.started == 1, f"{group.started} tasks for 5 commands one after another"
         with anyio.fail_after(5):
             await eps.wait_idle()
-        tg.cancel_scope.cancel()
 
 
 async def test_concurrent_commands_each_get_a_task_and_the_parked_tasks_take_the_next_ones():
-    async with anyio.create_task_group() as tg:
-        group = CountingGroup(tg)
-        eps = Endpoints(group, "test")  # type: ignore[arg-type]
+    async with _counted() as (group, eps):
         gate = anyio.Event()
-        first = [Req() for _ in range(3)]
-        for req in first:
-            eps.spawn(req, _answering(b"held", gate))  # type: ignore[arg-type]
+        first = _spawned(eps, 3, b"held", gate)
         await anyio.wait_all_tasks_blocked()
         assert group.started == 3 and eps.in_flight == 3 and not any(r.answered.is_set() for r in first)
         gate.set()
-        with anyio.fail_after(5):
-            await eps.wait_idle()
-        await anyio.wait_all_tasks_blocked()
-        second = [Req() for _ in range(3)]
-        for req in second:
-            eps.spawn(req, _answering(b"next"))  # type: ignore[arg-type]
-        with anyio.fail_after(5):
-            for req in second:
-                await req.answered.wait()
+        await _all_answered_and_parked(eps)
+        second = _spawned(eps, 3, b"next")
+        await _all_answered_and_parked(eps)
         assert [r.answer for r in first + second] == [b"held"] * 3 + [b"next"] * 3
         assert group.started == 3, "a parked task was not reused"
-        tg.cancel_scope.cancel()
 
 
 async def test_no_more_tasks_park_than_the_limit():
-    async with anyio.create_task_group() as tg:
-        group = CountingGroup(tg)
-        eps = Endpoints(group, "test")  # type: ignore[arg-type]
+    async with _counted() as (group, eps):
         gate = anyio.Event()
-        reqs = [Req() for _ in range(PARKED_RUNNERS + 4)]
-        for req in reqs:
-            eps.spawn(req, _answering(b"x", gate))  # type: ignore[arg-type]
+        _spawned(eps, PARKED_RUNNERS + 4, b"x", gate)
         gate.set()
-        with anyio.fail_after(5):
-            await eps.wait_idle()
-        await anyio.wait_all_tasks_blocked()
+        await _all_answered_and_parked(eps)
         assert len(eps._parked) == PARKED_RUNNERS
-        tg.cancel_scope.cancel()
 
 
 async def test_a_task_cancelled_while_parked_leaves_the_pool():
