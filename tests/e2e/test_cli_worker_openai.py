@@ -92,6 +92,8 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
             "in_place",  # vLLM's lean mode: the bytes land in its committed copy
             "--openai-port",
             str(port),
+            "--heartbeat",
+            "0.1",  # the test sees the long request in flight through heartbeats: ten a second, not one
         ],
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
         stdout=subprocess.DEVNULL,
@@ -108,8 +110,9 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
         headers, body = await _complete(client)
         assert headers["x-rlbus-weight-version"] == "cli-1" and body.choices[0].text
 
-        # long enough that a heartbeat sees it running
-        in_flight = asyncio.create_task(_complete(client, max_tokens=1500))
+        # long enough that a heartbeat sees it running (1500 tokens of the toy model could end
+        # between two heartbeats a second apart: two fresh-clone runs failed that way)
+        in_flight = asyncio.create_task(_complete(client, max_tokens=2000))
         await eventually(
             lambda: _answered_in_flight(rl), timeout=60, interval=0.05, what="the long request running in vLLM"
         )
