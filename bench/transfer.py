@@ -99,24 +99,20 @@ def serve_one(cmd: dict) -> None:
         if kind in ("raw", "shm"):
             for k, n in enumerate(cmd["sizes"]):
                 rx.recv(bufs[k % 2][:n]).wait()
-        elif kind == "chunked":  # hash chunk k while chunk k+1 arrives, as rlbus's receiver does
-            sizes = cmd["sizes"]
-            pending = rx.recv(bufs[0][: sizes[0]])
-            for k, n in enumerate(sizes):
-                pending.wait()
-                if k + 1 < len(sizes):
-                    pending = rx.recv(bufs[(k + 1) % 2][: sizes[k + 1]])
-                checksum(bufs[k % 2][:n])
-        elif kind == "landed":  # as chunked, but each chunk lands where the model keeps it
+        elif kind in ("chunked", "landed"):  # hash chunk k while chunk k+1 arrives, as rlbus's receiver does
             sizes, offs = cmd["sizes"], [0]
             for n in sizes:
                 offs.append(offs[-1] + n)
-            pending = rx.recv(whole[: sizes[0]])
+
+            def chunk(k: int) -> torch.Tensor:  # chunked: two reused buffers; landed: where the model keeps it
+                return bufs[k % 2][: sizes[k]] if kind == "chunked" else whole[offs[k] : offs[k + 1]]
+
+            pending = rx.recv(chunk(0))
             for k in range(len(sizes)):
                 pending.wait()
                 if k + 1 < len(sizes):
-                    pending = rx.recv(whole[offs[k + 1] : offs[k + 2]])
-                checksum(whole[offs[k] : offs[k + 1]])
+                    pending = rx.recv(chunk(k + 1))
+                checksum(chunk(k))
         elif kind == "rlbus":
             # as an in_place worker does: a bucket that is one tensor lands in it directly
             recv_buckets(

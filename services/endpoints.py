@@ -171,6 +171,17 @@ def fingerprint(op: str, data: bytes) -> str:
     return f"{op}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
 
 
+class _Running:
+    """A command running under its id: what it is, and the Event a duplicate waits on (made
+    by the first duplicate: most commands have none, and an Event costs more than the dedup)."""
+
+    __slots__ = ("fingerprint", "done")
+
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+        self.done: anyio.Event | None = None
+
+
 class ReplyCache:
     """Idempotency: answers by command id, so a retried command runs once.
 
@@ -181,9 +192,7 @@ class ReplyCache:
 
     def __init__(self, size: int = 512, durable: DurableReplies | None = None) -> None:
         self._done: OrderedDict[str, StoredReply] = OrderedDict()
-        self._running: dict[str, list[Any]] = {}
-        """Each running command's [fingerprint, the Event a duplicate waits on (made by the first
-        duplicate: most commands have none, and an Event costs more than the dedup itself)]."""
+        self._running: dict[str, _Running] = {}
         self._unacked: dict[str, Callable[[], Awaitable[None]]] = {}
         """Answers sent to the store ahead of their reply, whose acknowledgement is awaited after it."""
         self.size = size
@@ -217,15 +226,15 @@ class ReplyCache:
             return await work()
         while command_id in self._running:  # a duplicate arrived while the first runs
             first = self._running[command_id]
-            self._check(command_id, print_, first[0])
-            if first[1] is None:
-                first[1] = anyio.Event()
-            await first[1].wait()
+            self._check(command_id, print_, first.fingerprint)
+            if first.done is None:
+                first.done = anyio.Event()
+            await first.done.wait()
         if command_id in self._done:
             stored = self._done[command_id]
             self._check(command_id, print_, stored.fingerprint)
             return stored.reply
-        self._running[command_id] = [print_, None]
+        self._running[command_id] = _Running(print_)
         try:
             store = self.durable if durable else None
             # kept before it runs (claimed): a retry after a crash mid-run is not run again
@@ -258,9 +267,9 @@ class ReplyCache:
                 self._done.popitem(last=False)
             return stored.reply
         finally:
-            waited = self._running.pop(command_id)[1]
-            if waited is not None:
-                waited.set()
+            done = self._running.pop(command_id).done
+            if done is not None:
+                done.set()
 
     def unsettled(self, command_id: str) -> bool:
         return bool(command_id) and command_id in self._unacked
@@ -288,13 +297,17 @@ one costs an Event (~2 us); starting a task in an anyio task group costs ~30 us 
 these machines), which at 64 workers is a tenth of a session's commit fan-out."""
 
 
+_Job = tuple[Request, Callable[[], Awaitable[bytes]], str]
+"""A command to answer: its request, the work that makes the answer, its command id."""
+
+
 class _Parked:
     """A runner waiting for its next command."""
 
     __slots__ = ("job", "wake")
 
     def __init__(self) -> None:
-        self.job: tuple[Request, Callable[[], Awaitable[bytes]], str] | None = None
+        self.job: _Job | None = None
         self.wake = anyio.Event()
 
 
@@ -396,7 +409,7 @@ class Endpoints:
 
     def spawn(self, req: Request, work: Callable[[], Awaitable[bytes]], command_id: str = "") -> None:
         """Run `work` and reply with its answer, in a task of the service's (a parked one if any)."""
-        job = (req, work, command_id)
+        job: _Job = (req, work, command_id)
         if self._parked:
             parked = self._parked.pop()  # the most recently parked: its stack is warm
             parked.job = job
@@ -406,7 +419,7 @@ class Endpoints:
         self._in_flight += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
 
-    async def _runner(self, job: tuple[Request, Callable[[], Awaitable[bytes]], str]) -> None:
+    async def _runner(self, job: _Job) -> None:
         """Answer `job`, then each command handed to this task while it is parked."""
         while True:
             req, work, command_id = job

@@ -190,6 +190,8 @@ class StateStore:
         waits for the store's acknowledgement; a first attempt that failed (no leader yet, the
         bucket recreated) is sent again as put(), within the patience."""
         try:
+            # nats-py's KeyValue has no put that returns before its ack: its own subject and
+            # JetStream context, as KeyValue.put uses them, with publish_async
             sent: asyncio.Future[PubAck] | None = await self.kv._js.publish_async(f"{self.kv._pre}{key}", value)
         except Exception as e:  # the connection is down: the put below says so
             log.debug("put of %s not sent ahead: %s", key, e)

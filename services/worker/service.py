@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -367,29 +368,33 @@ class WorkerService:
         if to_wake:
             await self.engine.wake_up(to_wake)
 
-    async def _pause(self, cmd: PauseWorker) -> WorkerAck:
+    async def _change(self, to: Callable[[FleetState], FleetState]) -> WorkerAck:
+        """One command's change of where the engine stands: its status read once, then
+        converged to `to(held)`."""
         st = self.engine.status()
-        await self.converge(msgspec.structs.replace(self._held_state(st), paused=True, pause_mode=cmd.mode), st)
+        await self.converge(to(self._held_state(st)), st)
         return self.ack()
+
+    async def _pause(self, cmd: PauseWorker) -> WorkerAck:
+        return await self._change(lambda held: msgspec.structs.replace(held, paused=True, pause_mode=cmd.mode))
 
     async def _resume(self, cmd: ResumeWorker) -> WorkerAck:
-        st = self.engine.status()
-        await self.converge(msgspec.structs.replace(self._held_state(st), paused=False, pause_mode=None), st)
-        return self.ack()
+        return await self._change(lambda held: msgspec.structs.replace(held, paused=False, pause_mode=None))
 
     async def _sleep(self, cmd: SleepWorker) -> WorkerAck:
-        st, tags = self.engine.status(), _tags(cmd.tags)
-        held = self._held_state(st)
-        asleep = [t for t in SLEEP_TAGS if t in tags or t in held.sleeping_tags]
-        await self.converge(msgspec.structs.replace(held, sleep_level=cmd.level, sleeping_tags=asleep), st)
-        return self.ack()
+        tags = _tags(cmd.tags)
+
+        def asleep(held: FleetState) -> FleetState:
+            also = [t for t in SLEEP_TAGS if t in tags or t in held.sleeping_tags]
+            return msgspec.structs.replace(held, sleep_level=cmd.level, sleeping_tags=also)
+
+        return await self._change(asleep)
 
     async def _wake_up(self, cmd: WakeUpWorker) -> WorkerAck:
-        st, tags = self.engine.status(), _tags(cmd.tags)
-        held = self._held_state(st)
-        awake = [t for t in held.sleeping_tags if t not in tags]
-        await self.converge(msgspec.structs.replace(held, sleeping_tags=awake), st)
-        return self.ack()
+        tags = _tags(cmd.tags)
+        return await self._change(
+            lambda held: msgspec.structs.replace(held, sleeping_tags=[t for t in held.sleeping_tags if t not in tags])
+        )
 
     # ---- the other commands -----------------------------------------------------------------
 
