@@ -92,8 +92,6 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
             "in_place",  # vLLM's lean mode: the bytes land in its committed copy
             "--openai-port",
             str(port),
-            "--heartbeat",
-            "0.1",  # the test sees the long request in flight through heartbeats: ten a second, not one
         ],
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
         stdout=subprocess.DEVNULL,
@@ -110,15 +108,13 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
         headers, body = await _complete(client)
         assert headers["x-rlbus-weight-version"] == "cli-1" and body.choices[0].text
 
-        # long enough that a heartbeat sees it running (1500 tokens of the toy model could end
-        # between two heartbeats a second apart: two fresh-clone runs failed that way)
-        in_flight = asyncio.create_task(_complete(client, max_tokens=2000))
-        await eventually(
-            lambda: _answered_in_flight(rl), timeout=60, interval=0.05, what="the long request running in vLLM"
-        )
+        # streamed: its first tokens prove it runs in vLLM (a heartbeat could miss a short request)
+        running = asyncio.Event()
+        in_flight = asyncio.create_task(_streamed(client, 2000, running))
+        await asyncio.wait_for(running.wait(), 60)
         proc.send_signal(signal.SIGTERM)  # the drain lets it finish
-        headers, body = await asyncio.wait_for(in_flight, 120)
-        assert headers["x-rlbus-weight-version"] == "cli-1" and body.choices[0].finish_reason == "length"
+        headers, finish_reason = await asyncio.wait_for(in_flight, 120)
+        assert headers["x-rlbus-weight-version"] == "cli-1" and finish_reason == "length"
         code = await asyncio.to_thread(proc.wait, 120)
         assert code == 0, log.read_text(errors="replace")[-4000:]
     finally:
@@ -129,6 +125,19 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
         await local.close()
 
 
-async def _answered_in_flight(rl: RLClient) -> bool:
-    info = await rl.server_info()
-    return any(w.worker_id == WORKER and w.state.in_flight >= 1 for w in info.workers)
+async def _streamed(client, max_tokens: int, running: asyncio.Event):
+    """A streamed completion: `running` is set at its first tokens; its headers and finish reason."""
+    stream = await client.completions.create(
+        model="base",
+        prompt="t5 t6 t7",
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    finish = None
+    async for chunk in stream:
+        running.set()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return stream.response.headers, finish
