@@ -139,10 +139,23 @@ class WorkerService:
 
     def state(self) -> WorkerState:
         """What the engine reports of the model, the books, and the open session."""
-        e, b = self.engine, self.book
+        e, b, st = self.engine, self.book, self.engine.status()
+        # every field named: a call that merges a dict of the status into keywords costs twice
+        # this, once per command (tests/unit/test_worker_state.py checks none is left out)
         return WorkerState(
             worker_id=self.id,
-            **msgspec.structs.asdict(e.status()),
+            paused=st.paused,
+            pause_mode=st.pause_mode,
+            sleeping_tags=st.sleeping_tags,
+            sleep_level=st.sleep_level,
+            weights_loaded=st.weights_loaded,
+            in_flight=st.in_flight,
+            waiting=st.waiting,
+            param_bytes=st.param_bytes,
+            kv_cache_bytes=st.kv_cache_bytes,
+            draft_stale=st.draft_stale,
+            spec_proposed=st.spec_proposed,
+            spec_accepted=st.spec_accepted,
             epoch=b.epoch,
             controller_id=b.controller_id,
             weight_version=b.main.version,

@@ -118,9 +118,13 @@ async def test_the_worker_cli_serves_openai_with_the_fleets_versions_and_drains_
         code = await asyncio.to_thread(proc.wait, 120)
         assert code == 0, log.read_text(errors="replace")[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            await asyncio.to_thread(proc.wait, 30)
+        # the worker leads its own process group (spawn: a new session); vLLM's EngineCore and
+        # Worker processes are in it, and a worker killed outright would leave them running
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the worker and all of its children are gone
+            pass
+        await asyncio.to_thread(proc.wait, 30)
         await rl.close()
         await local.close()
 
