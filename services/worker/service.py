@@ -121,9 +121,6 @@ class WorkerService:
         """The engine was seen recovering from a failed load (see _follow_recovery)."""
         self._last_beat = time.monotonic()
         self._generate_service: Service | None = None
-        self._generation_wanted = False
-        self._generation_lock = anyio.Lock()
-        """Joining or leaving generation awaits NATS: one at a time, each to the latest wish."""
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -517,16 +514,8 @@ class WorkerService:
         """Join or leave the rl.generate queue group (a withheld worker takes no traffic).
 
         Generation is its own micro service (`rlbus-generate`), so `$SRV.INFO.rlbus-generate`
-        lists exactly the workers that take traffic now. Calls that overlap (a sync beside a
-        commit) take turns, and each carries out the latest call's wish: two joins at once
-        would otherwise add two services on the one connection, and `$SRV` would count this
-        worker twice (with replies over its allow_responses).
+        lists exactly the workers that take traffic now.
         """
-        self._generation_wanted = on
-        async with self._generation_lock:
-            await self._generation_to(self._generation_wanted)
-
-    async def _generation_to(self, on: bool) -> None:
         if on and self._generate_service is None:
             svc = await add_service(
                 self.nc,

@@ -3,11 +3,9 @@ a worker restarted under the id of a dead one replaces it cleanly."""
 
 from __future__ import annotations
 
-import json
-
 import anyio
 import pytest
-from rlbus.schemas import ServiceName, Subjects
+from rlbus.schemas import Subjects
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions, WorkerService
 
@@ -59,40 +57,3 @@ async def test_a_worker_restarted_under_a_dead_workers_id_replaces_it(fleet, nat
     version = new_version("after-restart")
     await rl.push_weights(trained(3), version)
     assert await rl.get_weight_version() == version
-
-
-async def test_overlapping_joins_and_leaves_of_generation_leave_one_service_as_the_last_asked(fleet, prefix):
-    """A sync beside a commit both (un)withhold the worker: calls that overlap take turns, so
-    the worker never hosts two generate services (`$SRV` would count it twice) and ends as the
-    last call asked."""
-    f, _ = fleet
-    w = f.workers["w0"]
-    nc = w.nc
-    subject = f"$SRV.PING.{ServiceName.GENERATE}"
-
-    async def generate_services() -> int:
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        await nc.publish(subject, b"", reply=inbox)
-        mine = 0
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=0.5)
-                mine += json.loads(msg.data).get("metadata", {}).get("worker_id") == w.id
-        except Exception:
-            pass
-        finally:
-            await sub.unsubscribe()
-        return mine
-
-    try:
-        async with anyio.create_task_group() as tg:
-            for on in (False, True, True, True):
-                tg.start_soon(w._serve_generation, on)
-        assert await generate_services() == 1
-        async with anyio.create_task_group() as tg:
-            for on in (True, True, False):
-                tg.start_soon(w._serve_generation, on)
-        assert await generate_services() == 0
-    finally:
-        await w._serve_generation(True)
