@@ -1,19 +1,100 @@
-"""The compiled heart of a host delta: one pass over two slices of 8-byte words that writes the
-changed elements' positions and new bits where they are found.
+"""The compiled heart of a host delta: two slices of 8-byte words compared, and the changed
+elements' positions and new bits written out.
 
 numpy needs a pass for the compare, another to find the set mask entries, gathers for the
 words and a split of their lanes (measured at 256 MiB bf16, 1.1 % changed: 0.21 s against
-0.04 s to compare both copies once); this loop reads each word of both copies once and
-touches the output only for a change (0.07 s). Compiled by numba (a well-kept JIT for exactly
-such loops; hand-written C would need a compiler on every host) on first use and cached on
-disk (``cache=True``): a process pays numba's import (~1.4 s) and the cache load once, on its
-first delta, not per push.
+0.04 s to compare both copies once). The loop here never branches on the data while it streams
+the two copies from memory: a data-dependent branch there (a word that changed, about one in
+twenty at 1 % of bf16 elements changed) costs a misprediction that also throws away the loads
+in flight, ~24 ns a changed word measured, 1.8x the bare read in all. So it works a slice that
+stays in the core's cache in three branch-free passes: a flag per word (the streaming compare,
+which LLVM vectorizes: memory speed), the flagged words' places gathered (8 flags read as one
+word, then the words of a block that has any), then every lane of a gathered word written at
+the end of the output with the count moved by whether that lane changed (1.22x the bare read;
+the same bits out, in the same order).
+
+Compiled by numba (a well-kept JIT for exactly such loops; hand-written C would need a
+compiler on every host) on first use and cached on disk (``cache=True``): a process pays
+numba's import (~1.4 s) and the cache load once, on its first delta, not per push.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+
+BLOCK = 8
+"""Words whose flags are read as one 8-byte word in the gathering pass."""
+
+
+PIECE = 1 << 15
+"""Words worked at a time by the three passes: both copies' pieces (256 KiB each) and the
+scratch stay in the core's cache."""
+
+
+def scratch(words: int = PIECE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Buffers for :func:`changed_lanes` in pieces of ``words`` words: one flag a word, the
+    flagged blocks, the flagged words. Reused from call to call."""
+    return (
+        np.empty(words, dtype=np.uint8),
+        np.empty(words // BLOCK + 1, dtype=np.int64),
+        np.empty(words, dtype=np.int64),
+    )
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _changed_in_slice(
+    new: np.ndarray,
+    old: np.ndarray,
+    lanes: int,
+    first_word: int,
+    positions: np.ndarray,
+    values: np.ndarray,
+    k: int,
+    limit: int,
+    flags: np.ndarray,
+    blocks: np.ndarray,
+    words: np.ndarray,
+) -> int:
+    """Compare two int64 word slices (``new``, ``old``: the same length, word ``first_word`` of
+    their tensors on), each word ``lanes`` elements of ``64 / lanes`` bits, little-endian.
+    Every element whose bits differ is appended at ``k``: its flat position (int32) to
+    ``positions``, its new bits to ``values`` (the unsigned type of its width), in ascending
+    order. Returns the new count, or -1 once it passes ``limit``. Both outputs hold at least
+    ``limit + lanes`` entries (a word's lanes are written before the count says which stay);
+    ``flags``, ``blocks`` and ``words`` come from :func:`scratch` for at least this slice."""
+    width = 64 // lanes
+    mask = (1 << width) - 1 if lanes > 1 else -1
+    n = new.size
+    for i in range(n):  # streams both copies: no branch on the data here
+        flags[i] = new[i] != old[i]
+    nb = n // BLOCK
+    by_block = flags[: nb * BLOCK].view(np.uint64)
+    c = 0
+    for b in range(nb):
+        blocks[c] = b
+        c += by_block[b] != 0
+    m = 0
+    for q in range(c):
+        s = blocks[q] * BLOCK
+        for j in range(BLOCK):
+            words[m] = s + j
+            m += flags[s + j]
+    for i in range(nb * BLOCK, n):
+        words[m] = i
+        m += flags[i]
+    for q in range(m):
+        i = words[q]
+        x = new[i]
+        d = x ^ old[i]
+        p = (first_word + i) * lanes
+        for j in range(lanes):
+            positions[k] = p + j
+            values[k] = (x >> (width * j)) & mask
+            k += ((d >> (width * j)) & mask) != 0
+        if k > limit:
+            return -1
+    return k
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -26,32 +107,24 @@ def changed_lanes(
     values: np.ndarray,
     k: int,
     limit: int,
+    flags: np.ndarray,
+    blocks: np.ndarray,
+    words: np.ndarray,
 ) -> int:
     """Compare two int64 word slices (``new``, ``old``: the same length, word ``first_word`` of
     their tensors on), each word ``lanes`` elements of ``64 / lanes`` bits, little-endian.
     Every element whose bits differ is appended at ``k``: its flat position (int32) to
-    ``positions``, its new bits to ``values`` (the unsigned type of its width). Returns the
-    new count, or -1 once it would pass ``limit`` (both outputs hold at least ``limit``)."""
-    width = 64 // lanes
-    mask = (1 << width) - 1 if lanes > 1 else -1
-    for i in range(new.size):
-        x = new[i]
-        y = old[i]
-        if x == y:
-            continue
-        if lanes == 1:
-            if k >= limit:
-                return -1
-            positions[k] = first_word + i
-            values[k] = x
-            k += 1
-            continue
-        for j in range(lanes):
-            nv = (x >> (width * j)) & mask
-            if nv != ((y >> (width * j)) & mask):
-                if k >= limit:
-                    return -1
-                positions[k] = (first_word + i) * lanes + j
-                values[k] = nv
-                k += 1
+    ``positions``, its new bits to ``values`` (the unsigned type of its width), in ascending
+    order. Returns the new count, or -1 once it passes ``limit``. Both outputs hold at least
+    ``limit + lanes`` entries (a word's lanes are written before the count says which stay).
+    ``flags``, ``blocks`` and ``words`` come from :func:`scratch`: the slice is worked in
+    pieces of ``flags.size`` words, each while it stays in the core's cache."""
+    piece = flags.size
+    for s in range(0, new.size, piece):
+        e = min(s + piece, new.size)
+        k = _changed_in_slice(
+            new[s:e], old[s:e], lanes, first_word + s, positions, values, k, limit, flags, blocks, words
+        )
+        if k < 0:
+            return -1
     return k
