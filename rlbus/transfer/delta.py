@@ -285,7 +285,12 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
     ``under``: an int32 delta not yet written onto ``b`` (the last commit's): each slice of
     ``b`` gets its part just before it is compared, while it is in cache. ``b`` holds all of
     it when this returns, whatever it returns (and if it raises)."""
-    from rlbus.transfer.delta_kernel import PIECE, changed_lanes, scratch  # numba's import: on the first delta only
+    from rlbus.transfer.delta_kernel import (
+        PIECE,
+        changed_lanes,
+        scatter,
+        scratch,
+    )  # numba's import: on the first delta only
 
     itemsize = a.element_size()
     wa, wb = _words(a), _words(b)
@@ -316,7 +321,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
             ca, cb = wa[s : s + SCAN_WORDS], wb[s : s + SCAN_WORDS]
             if upos is not None and ubound[c + 1] > ubound[c]:
                 lo, hi = ubound[c], ubound[c + 1]
-                eb[upos[lo:hi]] = uval[lo:hi]  # type: ignore[index]
+                scatter(eb, upos[lo:hi], uval[lo:hi])
                 written = hi
             if hasher is not None:
                 hasher.update(ca)
@@ -325,7 +330,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
                 return None
     finally:
         if upos is not None and written < upos.size:  # stopped early: the rest of the commit's delta
-            eb[upos[written:]] = uval[written:]  # type: ignore[index]
+            scatter(eb, upos[written:], uval[written:])
     if k > limit:
         return None
     return _Found(changed=k, positions=[positions[:k]], values=[values[:k]])
@@ -575,8 +580,10 @@ def write(out: torch.Tensor, blob: torch.Tensor, m: ParamMeta) -> None:
         where = blob[: m.index_nbytes].numpy().view(np.int32)  # type: ignore[assignment]
         if int(where[0]) < 0 or int(where[-1]) >= numel or not _ascending(where):  # type: ignore[arg-type]
             raise DeltaError(f"delta of {m.name!r}: indices are not ascending within 0..{numel - 1}")
+        from rlbus.transfer.delta_kernel import scatter  # numba's import: on the first delta only
+
         lane_t = _UINT[out.element_size()]
-        bits(out).numpy().view(lane_t)[where] = blob[m.values_offset :].numpy().view(lane_t)
+        scatter(bits(out).numpy().view(lane_t), where, blob[m.values_offset :].numpy().view(lane_t))
         return
     block = blob[: m.index_nbytes].numpy()
     if _POPCOUNT is None:
