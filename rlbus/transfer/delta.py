@@ -321,7 +321,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
             ca, cb = wa[s : s + SCAN_WORDS], wb[s : s + SCAN_WORDS]
             if upos is not None and ubound[c + 1] > ubound[c]:
                 lo, hi = ubound[c], ubound[c + 1]
-                scatter(eb, upos[lo:hi], uval[lo:hi])
+                scatter(eb, upos[lo:hi], uval[lo:hi])  # type: ignore[index]
                 written = hi
             if hasher is not None:
                 hasher.update(ca)
@@ -330,7 +330,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
                 return None
     finally:
         if upos is not None and written < upos.size:  # stopped early: the rest of the commit's delta
-            scatter(eb, upos[written:], uval[written:])
+            scatter(eb, upos[written:], uval[written:])  # type: ignore[index]
     if k > limit:
         return None
     return _Found(changed=k, positions=[positions[:k]], values=[values[:k]])

@@ -45,7 +45,7 @@ from rlbus.transfer.base import ChecksumMismatch, PlanError, TransferError, Work
 from rlbus.transfer.buckets import as_bytes, validate
 from rlbus.transfer.checksum import checksum, checksum_kind
 from rlbus.transfer.factory import worker_transfer
-from rlbus.transfer.stream import group_checksum_kind, recv_buckets, sole_tensor_bytes, verify
+from rlbus.transfer.stream import group_checksum_kind, recv_buckets, sole_tensor_bytes, transfer_device, verify
 
 from .book import Book
 from .engine import Engine, EngineReceiver
@@ -151,6 +151,9 @@ class WeightUpdates:
         self.backend = backend
         self.mode = mode
         self.rx: WorkerTransfer | None = None
+        self._scratch: list[torch.Tensor] = []
+        """Receive buffers of a host group kept between receives (two of its biggest bucket;
+        a GPU group's are freed after each receive: that memory is the KV cache's)."""
         self.init: TransferInit | None = None
         self.session: _Session | None = None
         self._recv_lock = anyio.Lock()  # broadcasts arrive in order: one receive at a time
@@ -230,6 +233,7 @@ class WeightUpdates:
         """Leave the group at once; a receive still pending in it is abandoned, not awaited."""
         if self.rx is not None:
             self.rx.close()
+        self._scratch = []
         if self.remote is not None and self.init is not None:
             self.remote.leave(self.init.group_name)
         self.rx = self.init = None
@@ -382,6 +386,7 @@ class WeightUpdates:
                 landing=landing,
                 into=_Live(s, live) if s.in_place else None,
                 hash_buckets=not s.by_tensor,
+                scratch=self._scratch if transfer_device(rx).type == "cpu" else None,
             )
 
         async def work() -> None:

@@ -191,6 +191,35 @@ def test_tensors_of_shared_buckets_are_copied_straight_into_their_destinations(b
         )
 
 
+def test_a_worker_receives_stream_after_stream_into_the_two_buffers_it_keeps():
+    """Buckets that land nowhere of their own (shared buckets, a delta's blobs) are received into
+    two scratch buffers: a caller that keeps them gets them back filled in, and the next stream
+    reuses them instead of allocating and zeroing two more."""
+    named = model()
+    p = prepare(named, BUCKET)
+
+    def worker(rx, rank):
+        kept: list[torch.Tensor] = []
+        seen, results = [], []
+        for _ in range(2):
+            got: dict[str, torch.Tensor] = {}
+            recv_buckets(rx, p.params, p.buckets, lambda name, view: got.__setitem__(name, view.clone()), scratch=kept)
+            seen.append([b.data_ptr() for b in kept])
+            results.append(got)
+        return seen, results
+
+    def trainer(tx):
+        send_stream(tx, p, named)
+        send_stream(tx, p, named)
+
+    for got in run_threads(new_init("gloo", 1), trainer, worker, workers=1):
+        assert not isinstance(got, BaseException), got
+        seen, results = got
+        assert len(seen[0]) == 2 and seen[1] == seen[0]
+        for out in results:
+            assert digests([(n, out[n].view(t.dtype).view(t.shape)) for n, t in named]) == digests(named)
+
+
 def test_over_shm_a_worker_reads_buckets_where_they_lie_and_copies_each_byte_once():
     named = model()
     p = prepare(named, BUCKET)
