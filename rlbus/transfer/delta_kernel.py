@@ -43,28 +43,11 @@ def scratch(words: int = PIECE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _changed_in_slice(
-    new: np.ndarray,
-    old: np.ndarray,
-    lanes: int,
-    first_word: int,
-    positions: np.ndarray,
-    values: np.ndarray,
-    k: int,
-    limit: int,
-    flags: np.ndarray,
-    blocks: np.ndarray,
-    words: np.ndarray,
-) -> int:
-    """Compare two int64 word slices (``new``, ``old``: the same length, word ``first_word`` of
-    their tensors on), each word ``lanes`` elements of ``64 / lanes`` bits, little-endian.
-    Every element whose bits differ is appended at ``k``: its flat position (int32) to
-    ``positions``, its new bits to ``values`` (the unsigned type of its width), in ascending
-    order. Returns the new count, or -1 once it passes ``limit``. Both outputs hold at least
-    ``limit + lanes`` entries (a word's lanes are written before the count says which stay);
-    ``flags``, ``blocks`` and ``words`` come from :func:`scratch` for at least this slice."""
-    width = 64 // lanes
-    mask = (1 << width) - 1 if lanes > 1 else -1
+def _flagged(new: np.ndarray, old: np.ndarray, flags: np.ndarray, blocks: np.ndarray, words: np.ndarray) -> int:
+    """The places of the words that differ between ``new`` and ``old`` (one piece), ascending,
+    into ``words``; returns how many. Two branch-free passes: a flag per word (the streaming
+    compare, which LLVM vectorizes), then the flagged words' places gathered (8 flags read as one
+    word, then each word of a block that has any)."""
     n = new.size
     for i in range(n):  # streams both copies: no branch on the data here
         flags[i] = new[i] != old[i]
@@ -83,18 +66,7 @@ def _changed_in_slice(
     for i in range(nb * BLOCK, n):
         words[m] = i
         m += flags[i]
-    for q in range(m):
-        i = words[q]
-        x = new[i]
-        d = x ^ old[i]
-        p = (first_word + i) * lanes
-        for j in range(lanes):
-            positions[k] = p + j
-            values[k] = (x >> (width * j)) & mask
-            k += ((d >> (width * j)) & mask) != 0
-        if k > limit:
-            return -1
-    return k
+    return m
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -116,17 +88,26 @@ def changed_lanes(
     Every element whose bits differ is appended at ``k``: its flat position (int32) to
     ``positions``, its new bits to ``values`` (the unsigned type of its width), in ascending
     order. Returns the new count, or -1 once it passes ``limit``. Both outputs hold at least
-    ``limit + lanes`` entries (a word's lanes are written before the count says which stay).
-    ``flags``, ``blocks`` and ``words`` come from :func:`scratch`: the slice is worked in
-    pieces of ``flags.size`` words, each while it stays in the core's cache."""
+    ``limit + lanes`` entries: a flagged word's lanes are all written, and the count moves by
+    whether each changed. ``flags``, ``blocks`` and ``words`` come from :func:`scratch`: the
+    slice is worked in pieces of ``flags.size`` words, each while it stays in the core's cache."""
+    width = 64 // lanes
+    mask = (1 << width) - 1 if lanes > 1 else -1
     piece = flags.size
     for s in range(0, new.size, piece):
         e = min(s + piece, new.size)
-        k = _changed_in_slice(
-            new[s:e], old[s:e], lanes, first_word + s, positions, values, k, limit, flags, blocks, words
-        )
-        if k < 0:
-            return -1
+        m = _flagged(new[s:e], old[s:e], flags, blocks, words)
+        for q in range(m):
+            i = s + words[q]
+            x = new[i]
+            d = x ^ old[i]
+            p = (first_word + i) * lanes
+            for j in range(lanes):
+                positions[k] = p + j
+                values[k] = (x >> (width * j)) & mask
+                k += ((d >> (width * j)) & mask) != 0
+            if k > limit:
+                return -1
     return k
 
 
