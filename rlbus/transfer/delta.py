@@ -583,7 +583,10 @@ def write(out: torch.Tensor, blob: torch.Tensor, m: ParamMeta) -> None:
         from rlbus.transfer.delta_kernel import scatter  # numba's import: on the first delta only
 
         lane_t = _UINT[out.element_size()]
-        scatter(bits(out).numpy().view(lane_t), where, blob[m.values_offset :].numpy().view(lane_t))
+        new_bits = blob[m.values_offset :].numpy().view(lane_t)
+        if new_bits.size != where.size:  # the compiled scatter reads both unchecked
+            raise DeltaError(f"delta of {m.name!r}: {where.size} positions, {new_bits.size} values")
+        scatter(bits(out).numpy().view(lane_t), where, new_bits)
         return
     block = blob[: m.index_nbytes].numpy()
     if _POPCOUNT is None:
