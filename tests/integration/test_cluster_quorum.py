@@ -111,12 +111,13 @@ async def test_without_quorum_nothing_changes_and_the_fleet_recovers_with_its_ve
             interval=0.1,
             what="the state stream elected a leader again",
         )
-        await eventually(
-            lambda: takes_writes(f.controller.nc, rl.subjects.kv_bucket),
-            timeout=30,
-            interval=0.1,
-            what="the state stream takes writes again",
-        )
+        for bucket in (rl.subjects.kv_bucket, rl.subjects.replies_bucket):  # each stream elects its own leader
+            await eventually(
+                lambda bucket=bucket: takes_writes(f.controller.nc, bucket),
+                timeout=30,
+                interval=0.1,
+                what=f"{bucket} takes writes again",
+            )
         info = await rl.get_weight_version_info()
         assert (info.version, info.seq) == (v1, seq), "the version survived the quorum loss"
         assert events.seen == [], "nothing was published without quorum"
