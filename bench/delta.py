@@ -155,8 +155,10 @@ async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, mas
         await rl.pause("abort")  # an in_place fleet serves nothing while its weights are overwritten
 
         phases: list[float] = []
+        workers = [p.pid for name, p in fleet.procs.items() if name != "controller"]
 
         async def push(named, delta: bool) -> float:
+            cpu0 = (time.process_time(), _cpu_s(workers))
             t0 = time.monotonic()
             await rl.start_weight_update(delta=delta)
             t1 = time.monotonic()
@@ -164,14 +166,15 @@ async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, mas
             t2 = time.monotonic()
             await rl.finish_weight_update()
             t3 = time.monotonic()
-            phases[:] = [t1 - t0, t2 - t1, t3 - t2]
+            cpu = (time.process_time() - cpu0[0], _cpu_s(workers) - cpu0[1])
+            phases[:] = [t1 - t0, t2 - t1, t3 - t2, *cpu]
             return t3 - t0
 
         await push(master.served(), True)  # the fleet starts from the init: the first push is dense
         flat = master.flat.view(torch.uint8)[: master.flat.numel() * 2]  # as many bytes as the bf16 model
         for lr in lrs:
             best = {"raw": float("inf"), "delta": float("inf"), "dense": float("inf"), "read": float("inf")}
-            stats, best_phases = [], [0.0, 0.0, 0.0, 0.0]
+            stats, best_phases = [], [0.0] * 6
             for rep in range(a.reps + 1):
                 named = None  # the last round's bf16 copy goes before the next is made
                 master.step(lr)
@@ -198,7 +201,7 @@ async def measure(url: str, r: int, a: argparse.Namespace, cfg: ModelConfig, mas
                     best = {k: min(best[k], took[k]) for k in best}
                     stats.append(st)
                     if took["delta"] <= best["delta"]:
-                        best_phases = [*delta_phases, st.encode_s]
+                        best_phases = [*delta_phases[:3], st.encode_s, *delta_phases[3:]]
             out[lr] = {"best": best, "stats": stats, "phases": best_phases}
             named = None  # the copy goes before the next learning rate
             _trim()
@@ -259,14 +262,15 @@ def main() -> None:
     print(
         "\nthe best delta push by phase (ms): start / update = encode (the trainer's compare, encode, result hashes) "
         "+ send (metadata through the controller, the buckets) / finish (two-phase; the workers' writes and result "
-        "hashes end in it)"
+        "hashes end in it); and the CPU seconds the push took in the trainer's process and in the worker processes"
     )
     for r, res in rows:
         for lr, m in res.items():
             ph = m["phases"]
+            busy = (ph[4] + ph[5]) / (sum(ph[:3]) * (os.cpu_count() or 1))
             print(
                 f"  R={r} lr {lr:.0e}: {ph[0] * 1e3:.0f} / {ph[1] * 1e3:.0f} = {ph[3] * 1e3:.0f} + {(ph[1] - ph[3]) * 1e3:.0f} "
-                f"/ {ph[2] * 1e3:.0f}"
+                f"/ {ph[2] * 1e3:.0f}   CPU s: trainer {ph[4]:.2f}, workers {ph[5]:.2f} ({busy:.0%} of the cores)"
             )
     print(
         "\ngoals (issue #27): dense/delta >= 1.5 at R = 1 and >= 1 at every R; read/encode >= 0.7 ('read': both "
@@ -276,6 +280,19 @@ def main() -> None:
         "earlier goals: at >= 99% unchanged, raw/delta >= 10 (R = 1..3); sent/(k*6) <= 1.2 (k changed elements, "
         "2 value + 4 index bytes; metadata apart). 'encode' = the trainer's compare + encode + result hashes, inside 'delta'."
     )
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes used so far; 0 where /proc cannot say."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _row(r: int, lr: float, m: dict) -> str:
