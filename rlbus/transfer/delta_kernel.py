@@ -32,7 +32,7 @@ PIECE = 1 << 15
 scratch stay in the core's cache."""
 
 
-def scratch(words: int = PIECE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def scratch(words: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Buffers for :func:`changed_lanes` in pieces of ``words`` words: one flag a word, the
     flagged blocks, the flagged words. Reused from call to call."""
     return (
