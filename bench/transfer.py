@@ -99,7 +99,9 @@ def serve_one(cmd: dict) -> None:
         if kind in ("raw", "shm"):
             for k, n in enumerate(cmd["sizes"]):
                 rx.recv(bufs[k % 2][:n]).wait()
-        elif kind in ("chunked", "landed"):  # hash chunk k while chunk k+1 arrives, as rlbus's receiver does
+        elif kind in ("chunked", "landed"):
+            # as rlbus's receiver does (stream.RECV_DEPTH): chunk k+1 posted while chunk k arrives,
+            # chunk k hashed while k+1 arrives, then k+2 posted into k's buffer
             sizes, offs = cmd["sizes"], [0]
             for n in sizes:
                 offs.append(offs[-1] + n)
@@ -107,12 +109,12 @@ def serve_one(cmd: dict) -> None:
             def chunk(k: int) -> torch.Tensor:  # chunked: two reused buffers; landed: where the model keeps it
                 return bufs[k % 2][: sizes[k]] if kind == "chunked" else whole[offs[k] : offs[k + 1]]
 
-            pending = rx.recv(chunk(0))
+            posted = [rx.recv(chunk(k)) for k in range(min(2, len(sizes)))]
             for k in range(len(sizes)):
-                pending.wait()
-                if k + 1 < len(sizes):
-                    pending = rx.recv(chunk(k + 1))
+                posted.pop(0).wait()
                 checksum(chunk(k))
+                if k + 2 < len(sizes):
+                    posted.append(rx.recv(chunk(k + 2)))
         elif kind == "rlbus":
             # as an in_place worker does: a bucket that is one tensor lands in it directly
             recv_buckets(

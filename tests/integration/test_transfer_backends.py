@@ -220,6 +220,61 @@ def test_a_worker_receives_stream_after_stream_into_the_two_buffers_it_keeps():
             assert digests([(n, out[n].view(t.dtype).view(t.shape)) for n, t in named]) == digests(named)
 
 
+class PostLog:
+    """A worker transport that logs when each receive is posted and when it is waited for."""
+
+    def __init__(self, rx, log: list) -> None:
+        self.rx, self.log = rx, log
+
+    def __getattr__(self, name):
+        return getattr(self.rx, name)
+
+    def recv(self, buf):
+        k = sum(1 for e in self.log if e[0] == "post")
+        self.log.append(("post", k))
+        handle = self.rx.recv(buf)
+        log = self.log
+
+        class Logged:
+            def wait(self):
+                log.append(("wait", k))
+                return handle.wait()
+
+        return Logged()
+
+
+def test_a_worker_has_the_next_buckets_receive_posted_before_it_waits_for_one():
+    # gloo moves a bucket's bytes only once its receive is posted: posting bucket k+1 only
+    # after bucket k arrived left the wire idle between buckets
+    named = model()
+    p = prepare(named, BUCKET)
+    n = len(p.bucket_sizes)
+    assert n > 3 and any(len(group) > 1 for group in p.per_bucket), "landed and scratch buckets both"
+    log: list = []
+
+    def worker(rx, rank):
+        dst = {name: torch.zeros_like(t) for name, t in named}
+        kept: list[torch.Tensor] = []
+        recv_buckets(
+            PostLog(rx, log),
+            p.params,
+            p.buckets,
+            lambda name, v: None if v.data_ptr() == dst[name].data_ptr() else dst[name].copy_(v),
+            scratch=kept,
+            landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst),
+        )
+        return dst, len(kept)
+
+    (got,) = run_threads(new_init("gloo", 1), lambda tx: send_stream(tx, p, named), worker, workers=1)
+    assert not isinstance(got, BaseException), got
+    dst, buffers = got
+    assert digests(dst.items()) == digests(named)
+    assert buffers == 2, "two scratch buffers still do"
+    at = {e: i for i, e in enumerate(log)}
+    for k in range(n - 1):
+        assert at[("post", k + 1)] < at[("wait", k)], f"bucket {k + 1} was posted only after bucket {k} arrived"
+
+
 def test_over_shm_a_worker_reads_buckets_where_they_lie_and_copies_each_byte_once():
     named = model()
     p = prepare(named, BUCKET)
