@@ -255,12 +255,12 @@ def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
 Landing = Callable[[BucketMeta, Sequence[ParamMeta]], "torch.Tensor | None"]
 
 RECV_DEPTH = 2
-"""Receives a worker keeps posted at once (over shm, one: a view is no wire). gloo sends a bucket's bytes
-only once the receiver has posted its receive; with one posted, the wire stood idle between
-buckets while the worker woke up and posted the next (1 GiB in 4 MiB broadcasts at R = 1:
-501 -> 472 ms, in 16 MiB ones 441 -> 422 ms, best of 8, bench/transfer.py's receiver). So bucket
-``k+1`` is already posted while ``k`` arrives, and ``k+2`` is posted into ``k``'s scratch buffer
-once ``k`` was copied out: two scratch buffers still do."""
+"""Receives a worker keeps posted at once: 1 or 2 (it has two scratch buffers); over shm, one
+(a view is no wire). gloo sends a bucket's bytes only once the receiver has posted its receive;
+with one posted, the wire stood idle between buckets while the worker woke up and posted the
+next (1 GiB in 4 MiB broadcasts at R = 1: 501 -> 472 ms, in 16 MiB ones 441 -> 422 ms, best of
+8, bench/transfer.py's receiver). So bucket ``k+1`` is already posted while ``k`` arrives, and
+``k+2`` is posted into ``k``'s scratch buffer once ``k`` was copied out."""
 
 
 def recv_buckets(
@@ -346,7 +346,7 @@ def recv_buckets(
         into_buf, land, pending = posted.popleft()
         view = pending.wait()
         if depth == 1 and k + 1 < len(buckets):
-            posted.append(post(k + 1))  # shm: a view costs nothing to post, and holds a slot
+            posted.append(post(k + 1))  # one at a time: over shm a posted view holds a trainer's slot
         buf = into_buf if into_buf is not None else view
         assert buf is not None
         if hash_buckets:
@@ -363,8 +363,8 @@ def recv_buckets(
             sink(name, tensor)
         if isinstance(pending, ViewHandle):
             pending.release()
-        if depth == 2 and k + 2 < len(buckets):
-            posted.append(post(k + 2))  # into bucket k's scratch buffer, now copied out
+        if depth > 1 and k + depth < len(buckets):
+            posted.append(post(k + depth))  # into bucket k's scratch buffer, now copied out
     if expected is not None:
         verify(sums, expected)
     return sums
