@@ -7,11 +7,11 @@ words and a split of their lanes (measured at 256 MiB bf16, 1.1 % changed: 0.21 
 the two copies from memory: a data-dependent branch there (a word that changed, about one in
 twenty at 1 % of bf16 elements changed) costs a misprediction that also throws away the loads
 in flight, ~24 ns a changed word measured, 1.8x the bare read in all. So it works each piece
-(PIECE words, which stays in the core's cache) in three branch-free passes: a flag per word (the streaming compare,
-which LLVM vectorizes: memory speed), the flagged words' places gathered (8 flags read as one
-word, then the words of a block that has any), then every lane of a gathered word written at
-the end of the output with the count moved by whether that lane changed (1.22x the bare read;
-the same bits out, in the same order).
+(PIECE words, which stay in the core's cache) in three branch-free passes: a flag per word (the
+streaming compare, which LLVM vectorizes: memory speed), the flagged words' places gathered (8
+flags read as one word, then the words of a block that has any), then every lane of a gathered
+word written at the end of the output with the count moved by whether that lane changed (1.22x
+the bare read; the same bits out, in the same order).
 
 Compiled by numba (a well-kept JIT for exactly such loops; hand-written C would need a
 compiler on every host) on first use and cached on disk (``cache=True``): a process pays

@@ -224,23 +224,26 @@ class PostLog:
     """A worker transport that logs when each receive is posted and when it is waited for."""
 
     def __init__(self, rx, log: list) -> None:
-        self.rx, self.log = rx, log
+        self.rx, self.log, self.posted = rx, log, 0
 
     def __getattr__(self, name):
         return getattr(self.rx, name)
 
     def recv(self, buf):
-        k = sum(1 for e in self.log if e[0] == "post")
+        k, self.posted = self.posted, self.posted + 1
         self.log.append(("post", k))
-        handle = self.rx.recv(buf)
-        log = self.log
+        return WaitLog(self.rx.recv(buf), self.log, k)
 
-        class Logged:
-            def wait(self):
-                log.append(("wait", k))
-                return handle.wait()
 
-        return Logged()
+class WaitLog:
+    """A receive in flight that logs when it is waited for."""
+
+    def __init__(self, handle, log: list, k: int) -> None:
+        self.handle, self.log, self.k = handle, log, k
+
+    def wait(self):
+        self.log.append(("wait", self.k))
+        return self.handle.wait()
 
 
 def test_a_worker_has_the_next_buckets_receive_posted_before_it_waits_for_one():
