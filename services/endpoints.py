@@ -12,6 +12,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -167,6 +168,32 @@ class DurableReplies(Protocol):
         ...
 
 
+Acked = Callable[[], Awaitable[object]]
+"""Waits for the store to acknowledge a write that was sent ahead."""
+
+_after_reply: ContextVar[list[Acked] | None] = ContextVar("rlbus_after_reply", default=None)
+"""The command being answered's writes sent ahead of its reply (None outside a command)."""
+
+
+async def after_reply(acked: Acked, what: str) -> None:
+    """A write the handler sent ahead of its command's reply: its acknowledgement is awaited
+    once the reply is out (with the answer's, see ReplyCache.settle; a drain waits for it), and
+    a store that refused it is logged naming `what`: the reply stood already. Outside a command
+    with an id (a takeover, a test) it is awaited now, and a refusal raises."""
+    pending = _after_reply.get()
+    if pending is None:
+        await acked()
+        return
+
+    async def logged() -> None:
+        try:
+            await acked()
+        except Exception as e:
+            log.warning("%s was not kept in the state store: %s", what, e)
+
+    pending.append(logged)
+
+
 def fingerprint(op: str, data: bytes) -> str:
     return f"{op}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
 
@@ -193,8 +220,9 @@ class ReplyCache:
     def __init__(self, size: int = 512, durable: DurableReplies | None = None) -> None:
         self._done: OrderedDict[str, StoredReply] = OrderedDict()
         self._running: dict[str, _Running] = {}
-        self._unacked: dict[str, Callable[[], Awaitable[None]]] = {}
-        """Answers sent to the store ahead of their reply, whose acknowledgement is awaited after it."""
+        self._unacked: dict[str, list[Acked]] = {}
+        """Writes sent to the store ahead of a command's reply (its answer, and what its handler
+        passed to after_reply), whose acknowledgements are awaited after it."""
         self.size = size
         self.durable = durable
 
@@ -256,12 +284,19 @@ class ReplyCache:
                         ),
                     )
             else:
-                stored = StoredReply(print_, await work())
+                pending: list[Acked] = []
+                token = _after_reply.set(pending)
+                try:
+                    stored = StoredReply(print_, await work())
+                finally:
+                    _after_reply.reset(token)
                 if store is not None:
                     # kept before it is sent: its write goes out ahead of the reply on the one
                     # connection, so the server has it before the caller can; settle() awaits the
                     # store's acknowledgement once the reply is out
-                    self._unacked[command_id] = await store.put(command_id, stored)
+                    pending.append(await store.put(command_id, stored))
+                if pending:
+                    self._unacked[command_id] = pending
             self._done[command_id] = stored
             while len(self._done) > self.size:
                 self._done.popitem(last=False)
@@ -275,9 +310,8 @@ class ReplyCache:
         return bool(command_id) and command_id in self._unacked
 
     async def settle(self, command_id: str) -> None:
-        """After the reply: wait for the store to acknowledge the answer sent ahead of it."""
-        acked = self._unacked.pop(command_id, None) if command_id else None
-        if acked is not None:
+        """After the reply: wait for the store to acknowledge what was sent ahead of it."""
+        for acked in self._unacked.pop(command_id, ()) if command_id else ():
             await acked()
 
 

@@ -19,6 +19,7 @@ import logging
 import time
 
 from rlbus.schemas import FailedPrecondition, PushLease
+from rlbus.services.endpoints import after_reply
 
 from .store import StateStore
 
@@ -91,15 +92,20 @@ class PushLeases:
         if h is not None and h.trainer_id == trainer_id:
             self.held = PushLease(trainer_id=h.trainer_id, renewed_at=time.time(), lease_s=h.lease_s, group=h.group)
 
-    async def release(self, trainer_id: str | None) -> None:
+    async def release(self, trainer_id: str | None, *, ahead: bool = False) -> None:
         """The holder's finish or abort: the lease is free (in memory at once; a store that
-        cannot take the write leaves a record that lapses, and a successor renews it)."""
+        cannot take the write leaves a record that lapses, and a successor renews it).
+        `ahead`: the write goes out ahead of the command's reply and is acknowledged after it."""
         if self.held is not None and self.held.trainer_id == trainer_id:
             self.held = None
+            what = "the released push lease"
             try:
-                await self.store.put_push_lease(None)
+                if ahead:
+                    await after_reply(await self.store.put_push_lease_ahead(None), what)
+                else:
+                    await self.store.put_push_lease(None)
             except Exception as e:
-                log.warning("the released push lease was not cleared in the state store: %s", e)
+                log.warning("%s was not kept in the state store: %s", what, e)
 
     def group_of(self, trainer_id: str | None) -> str | None:
         """The transfer group `trainer_id` built last, if this controller saw it."""

@@ -272,6 +272,9 @@ class StateStore:
     async def put_session(self, session_id: str | None) -> None:
         await self.put(KvKey.SESSION, msgspec.json.encode(session_id))
 
+    async def put_session_ahead(self, session_id: str | None) -> Callable[[], Awaitable[int]]:
+        return await self.put_ahead(KvKey.SESSION, msgspec.json.encode(session_id))
+
     async def decision(self) -> CommitDecision | None:
         """The last decided commit, if any was ever decided."""
         raw, _ = await self.get(KvKey.DECISION)
@@ -280,12 +283,22 @@ class StateStore:
     async def put_decision(self, decision: CommitDecision) -> None:
         await self.put(KvKey.DECISION, encode(decision))
 
+    async def put_decision_ahead(self, decision: CommitDecision) -> Callable[[], Awaitable[int]]:
+        return await self.put_ahead(KvKey.DECISION, encode(decision))
+
     async def push_lease(self) -> PushLease | None:
         raw, _ = await self.get(KvKey.PUSH_LEASE)
         return _push_lease.decode(raw) if raw else None
 
     async def put_push_lease(self, lease: PushLease | None) -> None:
-        await self.put(KvKey.PUSH_LEASE, encode(lease) if lease is not None else b"null")
+        await self.put(KvKey.PUSH_LEASE, _lease_record(lease))
+
+    async def put_push_lease_ahead(self, lease: PushLease | None) -> Callable[[], Awaitable[int]]:
+        return await self.put_ahead(KvKey.PUSH_LEASE, _lease_record(lease))
+
+
+def _lease_record(lease: PushLease | None) -> bytes:
+    return encode(lease) if lease is not None else b"null"
 
 
 def default_replicas(nc: Client) -> int:

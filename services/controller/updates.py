@@ -52,7 +52,7 @@ from rlbus.schemas import (
     tensor_checksums_problem,
     version_problem,
 )
-from rlbus.services.endpoints import Routes
+from rlbus.services.endpoints import Routes, after_reply
 
 from . import session as S
 from .fanout import Outcome
@@ -131,14 +131,18 @@ class Updates:
             await self._abort_everywhere(sid, reason)
         return step
 
-    async def _settle(self, state: S.SessionState) -> None:
+    async def _settle(self, state: S.SessionState, *, ahead: bool = False) -> None:
         """Move to `state` and keep KV's record of the open session in step with it. Compared
         with what KV holds, not with the previous in-memory state: finish and its failure
-        paths step through Committing/Failed in memory before settling here."""
+        paths step through Committing/Failed in memory before settling here. `ahead`: the
+        write goes out ahead of the command's reply and is acknowledged after it."""
         self.session = state
         sid = self.session_id
         if sid != self._kv_session:
-            await self.store.put_session(sid)
+            if ahead:
+                await after_reply(await self.store.put_session_ahead(sid), "the session's record")
+            else:
+                await self.store.put_session(sid)
             self._kv_session = sid
 
     def refuse_resume(self) -> None:
@@ -617,24 +621,27 @@ class Updates:
         Runs shielded, under the lock."""
         if committed.failures:
             await self._quarantine(decision, committed.failures)
-        await self._record(decision, lambda: self.leases.release(trainer_id))
+        await self._record(decision, lambda: self.leases.release(trainer_id, ahead=True))
         await self.review(committed.acks.values())  # workers it brought to the committed bits again
         return self.ack(committed)
 
     async def _record(self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None) -> None:
         """The decided version: in the store, then on rl.version, then the decision marked
-        done, the session closed and `closing` (the push lease freed), those at once. A
-        successor finds a decision not marked done and records it."""
+        done, the session closed and `closing` (the push lease freed). Those three go out ahead
+        of the finish's reply on the controller's one connection and are acknowledged after it
+        (endpoints.after_reply): the server has them before the trainer has the reply, and the
+        reply waits for no round trip of theirs. A successor finds a decision not marked done
+        (a write lost with the node that took it) and records it again; one outside a command
+        (a takeover) waits for them."""
         new = decision.committed
         await self._commit_version(new)  # durable before KV forgets the session
         self.state_lost = False
         self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
-        writes: list[Awaitable[None]] = [self.store.put_decision(self.decision)]
+        await after_reply(await self.store.put_decision_ahead(self.decision), "the commit decision marked done")
         if isinstance(self.session, S.Decided) and self.session.session_id == decision.session_id:
-            writes.append(self._settle(self._advance(S.CommitDone()).state))
+            await self._settle(self._advance(S.CommitDone()).state, ahead=True)
         if closing is not None:
-            writes.append(closing())
-        await together(*writes)
+            await closing()
         await self.fleet.event(
             "session_committed",
             decision.workers,

@@ -17,6 +17,8 @@ import msgspec
 import nats
 import pytest
 from rlbus.schemas import (
+    CommitDecision,
+    FinishWeightUpdate,
     FleetAck,
     GetServerInfo,
     KvKey,
@@ -24,6 +26,7 @@ from rlbus.schemas import (
     Pause,
     Resume,
     ServerInfo,
+    StartWeightUpdate,
     Subjects,
     UpdateWeightVersion,
     encode,
@@ -213,6 +216,58 @@ async def test_a_call_gives_up_with_unavailable_once_its_retry_window_passes(nat
             await rl.server_info()
 
 
+async def test_a_finishs_closing_writes_reach_nats_before_its_reply_does(fleet, raw, prefix, nats_server):
+    """The decision marked done, the session's record closed and the push lease freed are not
+    awaited before the finish's reply (their acknowledgements come after it), but they leave
+    ahead of it on the controller's one connection, and the store holds them."""
+    f, rl = fleet
+    subjects = Subjects(prefix)
+    state = f"$KV.{subjects.kv_bucket}."
+    closing = {state + KvKey.DECISION: "decision", state + KvKey.SESSION: "session", state + KvKey.PUSH_LEASE: "lease"}
+    inbox = raw.new_inbox()
+    seen: list[tuple[str, bytes]] = []
+    replied = anyio.Event()
+
+    async def on_any(msg) -> None:
+        if msg.subject in closing:
+            seen.append((closing[msg.subject], msg.data))
+        elif msg.subject == inbox:
+            seen.append(("reply", msg.data))
+            replied.set()
+
+    await rl.pause("abort")
+    sniffer = await nats.connect(nats_server.url)
+    try:
+        started = await rl.start_weight_update()
+        await sniffer.subscribe(">", cb=on_any)
+        await sniffer.flush()
+        await raw.subscribe(inbox)
+        await raw.flush()
+        version = new_version("closing")
+        finish = FinishWeightUpdate(
+            weight_version=version, session_id=started.session_id, trainer_id=rl.trainer_id, command_id=uuid.uuid4().hex
+        )
+        await raw.publish(subjects.control("finish_weight_update"), encode(finish), reply=inbox)
+        with anyio.fail_after(10):
+            await replied.wait()
+        ack = reply_decoder.decode(seen[-1][1])
+        assert isinstance(ack, FleetAck) and ack.weight_version == version, ack
+        before = [what for what, _ in seen[:-1]]
+        assert before[0] == "decision" and before.count("decision") == 2, f"the decision, then done: {before}"
+        assert {"session", "lease"} <= set(before), f"the closing writes must reach NATS before the reply: {before}"
+        done = msgspec.json.decode([data for what, data in seen if what == "decision"][-1], type=CommitDecision)
+        assert done.published and done.weight_version == version, "the decision sent ahead is not the one marked done"
+        kv = await raw.jetstream().key_value(subjects.kv_bucket)
+
+        async def closed() -> bool:
+            return (await kv.get(KvKey.SESSION)).value == b"null" and (await kv.get(KvKey.PUSH_LEASE)).value == b"null"
+
+        await eventually(closed, timeout=5, what="the session closed and the lease freed in the store")
+    finally:
+        await sniffer.close()
+        await rl.resume()
+
+
 # ---- an answer is durable before it is sent (real controller processes, SIGKILL) ---------------
 
 KILL_ROUNDS = 5
@@ -279,3 +334,45 @@ async def test_a_controller_killed_right_after_it_answered_never_runs_the_retrie
         await events.wait_for(len(published))
         assert [v.version for v in events.seen] == published, "a retried command published its version again"
         assert len({v.seq for v in events.seen}) == len(published)
+
+
+async def test_a_controller_killed_right_after_a_finish_answered_leaves_its_session_closed_and_its_lease_free(
+    process_controllers, raw, nats_server
+):
+    """The finish's closing writes are acknowledged after its reply: killed right after it, the
+    controller has still left them with the server, so the next controller finds the commit
+    recorded and lets another trainer start at once (a lease left held would refuse it for
+    the lease's whole period)."""
+    rl, p, procs = process_controllers
+    subjects = Subjects(prefix=p)
+    async with VersionEvents(rl) as events:
+        published: list[str] = []
+        for k in range(KILL_ROUNDS):
+            procs.append(_controller_process(nats_server.url, p))
+            await eventually(lambda: _leads_with_every_worker(rl, procs[-1]), timeout=30, what="a controller leading")
+            await rl.pause("abort")  # workers that update in place start paused
+            trainer = f"trainer-{k}"  # another trainer each round: the last one's lease must be free
+            start = StartWeightUpdate(trainer_id=trainer, command_id=uuid.uuid4().hex)
+            started = reply_decoder.decode(
+                (await raw.request(subjects.control("start_weight_update"), encode(start), timeout=10)).data
+            )
+            assert isinstance(started, FleetAck) and started.session_id, started
+            version = new_version("killed")
+            finish = FinishWeightUpdate(
+                weight_version=version, session_id=started.session_id, trainer_id=trainer, command_id=uuid.uuid4().hex
+            )
+            first = await raw.request(subjects.control("finish_weight_update"), encode(finish), timeout=10)
+            procs[-1].send_signal(signal.SIGKILL)  # right after it answered
+            published.append(version)
+            committed = reply_decoder.decode(first.data)
+            assert isinstance(committed, FleetAck) and committed.weight_version == version, committed
+        procs.append(_controller_process(nats_server.url, p))
+        await eventually(lambda: _leads_with_every_worker(rl, procs[-1]), timeout=30, what="a last controller")
+        assert await rl.get_weight_version() == published[-1]
+        await events.wait_for(len(published))
+        assert [v.version for v in events.seen] == published, "a commit was published twice or lost"
+        kv = await raw.jetstream().key_value(subjects.kv_bucket)
+        decision = msgspec.json.decode((await kv.get(KvKey.DECISION)).value, type=CommitDecision)
+        assert decision.published and decision.weight_version == published[-1]
+        assert (await kv.get(KvKey.SESSION)).value == b"null" and (await kv.get(KvKey.PUSH_LEASE)).value == b"null"
+        await rl.resume()

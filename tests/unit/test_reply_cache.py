@@ -6,8 +6,9 @@ left where its route can say, else refused; no server."""
 from __future__ import annotations
 
 import anyio
+import pytest
 from rlbus.schemas import Nack, reply_decoder
-from rlbus.services.endpoints import ReplyCache, StoredReply
+from rlbus.services.endpoints import ReplyCache, StoredReply, after_reply
 
 
 class DictReplies:
@@ -55,6 +56,65 @@ async def test_an_answer_is_sent_to_the_store_before_it_is_returned_and_settled_
         store.gate.set()
     assert store.kept["c1"] == StoredReply("pause:x", b"ok")
     await cache.settle("c1")  # settled once: a second settle has nothing to wait for
+
+
+async def test_a_handlers_write_sent_ahead_of_the_reply_is_acknowledged_after_it_with_the_answer():
+    store = DictReplies()
+    cache = ReplyCache(durable=store)
+    sent: list[str] = []
+    acks = anyio.Event()
+    answered: list[bytes] = []
+    settled = anyio.Event()
+
+    async def acked() -> None:
+        await acks.wait()
+        sent.append("acked")
+
+    async def work() -> bytes:  # e.g. a finish: the session's record closed, sent ahead of the reply
+        sent.append("session closed")
+        await after_reply(acked, "the session's record")
+        return b"committed"
+
+    async def run() -> None:
+        answered.append(await cache.run("c1", "finish_weight_update:x", work, durable=True))
+        await cache.settle("c1")
+        settled.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+        assert sent == ["session closed"] and store.sent == ["c1"], "the writes were not both sent ahead of the reply"
+        assert answered == [b"committed"], "the reply waited for the handler's write to be acknowledged"
+        assert not settled.is_set(), "settle() did not wait for the handler's write"
+        store.gate.set()
+        await anyio.wait_all_tasks_blocked()
+        assert not settled.is_set(), "settle() returned before the handler's write was acknowledged"
+        acks.set()
+    assert sent == ["session closed", "acked"] and store.kept["c1"].answered
+
+
+async def test_a_write_sent_ahead_outside_a_command_is_awaited_at_once_and_a_refusal_raises():
+    async def refused() -> None:
+        raise ConnectionError("no quorum")
+
+    with pytest.raises(ConnectionError, match="no quorum"):
+        await after_reply(refused, "the decision marked done")  # a takeover records with no reply to wait behind
+
+
+async def test_a_refused_write_sent_ahead_is_logged_and_the_answer_stands(caplog):
+    cache = ReplyCache(durable=DictReplies())
+
+    async def refused() -> None:
+        raise ConnectionError("no quorum")
+
+    async def work() -> bytes:
+        await after_reply(refused, "the released push lease")
+        return b"committed"
+
+    cache.durable.gate.set()  # type: ignore[union-attr]
+    assert await cache.run("c1", "finish_weight_update:x", work, durable=True) == b"committed"
+    await cache.settle("c1")
+    assert "the released push lease was not kept in the state store: no quorum" in caplog.text
 
 
 async def test_a_command_that_started_and_never_answered_is_refused_on_retry_not_run_again():
