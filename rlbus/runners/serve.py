@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -22,6 +24,35 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
 
+def freeze_startup_heap(name: str) -> None:
+    """Once a service process has started: collect, then take every object alive now (the
+    imports, the engine and its model's Python objects) out of the cyclic collector's walks
+    (gc.freeze). A full collection walks every tracked object, with the event loop stopped
+    meanwhile: ~0.4 M objects and 140-300 ms in a process with vLLM imported (measured here),
+    ~40 k and 12 ms in a controller. After this it walks only what was made since. Refcounting
+    still frees whatever is dropped; only a cycle among objects frozen here is never collected."""
+    began = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info(
+        "%s: started; %d objects alive at startup frozen out of the collector's walks (%.0f ms)",
+        name,
+        gc.get_freeze_count(),
+        (time.perf_counter() - began) * 1e3,
+    )
+
+
+class _Started:
+    """The task status serve() hands its service: once the service has started, its process's
+    startup heap is frozen (freeze_startup_heap)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def started(self, value: object = None) -> None:
+        freeze_startup_heap(self.name)
+
+
 class ServiceDenied(SystemExit):
     """The NATS server denied the service a subject it needs: a fatal misconfiguration."""
 
@@ -38,7 +69,8 @@ async def serve(
     auth: NatsAuth | None = None,
     inbox_prefix: str | None = None,
 ) -> None:
-    """Connect, run the service, stop it on a signal and drain the connection.
+    """Connect, run the service, stop it on a signal and drain the connection. Once the
+    service has started, the heap it was built with is frozen (freeze_startup_heap).
 
     A permission denial is fatal: the service stops and the process exits with status 2,
     naming the subject (a service that silently cannot publish would lie about the fleet).
@@ -77,7 +109,7 @@ async def serve(
         tg.start_soon(on_signal)
         with running:
             try:
-                await svc.run()
+                await svc.run(task_status=_Started(name))
             except RLBusError as e:  # refused to start (e.g. its worker id is taken): say why, exit 1
                 if not denied:
                     log.error("%s: %s", name, e)
