@@ -62,10 +62,14 @@ def test_the_vllm_demo_commits_every_step_and_the_draft(demo_run):
 
 
 def test_the_vllm_demo_reward_rises(demo_run):
-    """The greedy (eval) reward, decoded by vLLM on the pushed weights: the sampled reward of 8
-    small batches is too noisy to rank (a CI run saw 0.15, 0.19, 0.04 after 0.09, 0.09, 0.10
-    while the greedy reward went 0.08 -> 1.0)."""
+    """The greedy (eval) reward, decoded by vLLM on the pushed weights, over the second half of
+    training against where the first push left it: the sampled reward of 8 small batches is too
+    noisy to rank (a CI run saw 0.15, 0.19, 0.04 after 0.09, 0.09, 0.10 while the greedy reward
+    went 0.08 -> 1.0), and so is one last step (another went 0.26, 0.40, 0.40, 0.49, 0.49, 0.50,
+    0.42, 0.26: 8 policy-gradient steps on tiny batches overshoot). Weights that never reached
+    vLLM leave the greedy reward where it was."""
     _, out = demo_run
     steps = json.loads((out / "log.json").read_text())["steps"]
     greedy = [s["eval_reward"] for s in steps]
-    assert sum(greedy[-3:]) / 3 > sum(greedy[:3]) / 3 + 0.05, (greedy, [s["reward"] for s in steps])
+    later = greedy[len(greedy) // 2 :]
+    assert sum(later) / len(later) > greedy[0] + 0.05, (greedy, [s["reward"] for s in steps])
