@@ -1,4 +1,4 @@
-"""Network faults for tests (not a test file): a TCP proxy that can blackhole a link."""
+"""Network faults for tests (not a test file): a TCP proxy that can blackhole or slow a link."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 class Blackhole:
     """A TCP proxy to the server that can swallow every byte both ways while keeping the
-    sockets open: a silent link, as a dead host or a dropped route looks, without root."""
+    sockets open: a silent link, as a dead host or a dropped route looks, without root. With
+    `delay_s`, what the server sends reaches the client that much later (a slow link)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -16,6 +17,7 @@ class Blackhole:
         self.url = ""
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
+        self.delay_s = 0.0
         self.tripwire: tuple[bytes, Callable[[], None]] | None = None
         """(pattern, act): the first bytes from the server that contain `pattern` run `act`
         before they are passed on (a signal to the client the moment a command reaches it)."""
@@ -45,6 +47,8 @@ class Blackhole:
                     if down and self.tripwire is not None and self.tripwire[0] in data:
                         act, self.tripwire = self.tripwire[1], None
                         act()
+                    if down and self.delay_s:
+                        await asyncio.sleep(self.delay_s)  # the link's latency, not a wait for a condition
                     if not self.holed:
                         w.write(data)
                         await w.drain()

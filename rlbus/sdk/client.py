@@ -14,7 +14,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from nats.aio.client import Client
 
 from rlbus.bus.connection import NatsAuth, connect, drain, request, resolve_url
-from rlbus.bus.faults import expect_reply, fault_of
+from rlbus.bus.faults import Fault, expect_reply, fault_of
 from rlbus.schemas import (
     AnyControlCommand,
     Backend,
@@ -185,6 +185,7 @@ class RLClient:
             raise DeadlineExceeded(f"no time left for {op} within the caller's deadline")
         start = time.monotonic()
         delay = 0.05
+        nobody: Fault | None = None  # the last "no responders": what a try the deadline cut short ends with
         while True:
             left = t - (time.monotonic() - start)
             # at least three attempts fit in a call: one lost to a leader that went silent
@@ -198,6 +199,12 @@ class RLClient:
             except Exception as e:  # no responders, timeout, connection closed
                 fault = fault_of(e, who=who, op=op, timeout=t, hint=hint)
                 waited = time.monotonic() - start
+                if fault.code == "UNAVAILABLE":
+                    nobody = fault
+                elif fault.code == "DEADLINE_EXCEEDED" and nobody is not None and wait < min(self.attempt_s, t / 3):
+                    # a try the back-off left too little time for timed out: it learned nothing
+                    # the tries before it had not (nobody serves this), and the call says that
+                    fault = nobody
                 # retries are normal while services start or fail over: quiet unless they last
                 level = logging.WARNING if waited > QUIET_RETRY_S else logging.DEBUG
                 if resend and fault.code == "DEADLINE_EXCEEDED" and waited < t - 0.01:

@@ -41,6 +41,7 @@ from rlbus.services.worker.service import WorkerOptions
 import rlbus
 from rlbus.runners.local import LocalFleet
 from tests.fleet import controller_process, fleet_running
+from tests.netfaults import Blackhole
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, VersionEvents, new_version
 
@@ -266,6 +267,19 @@ async def test_a_finishs_closing_writes_reach_nats_before_its_reply_does(fleet, 
     finally:
         await sniffer.close()
         await rl.resume()
+
+
+async def test_a_call_nobody_serves_ends_unavailable_when_its_deadline_cuts_the_last_try_short(nats_server):
+    """Over a slow link (each answer 50 ms late) the back-off can leave the last try less time
+    than a "no responders" takes to come back: that try times out at the deadline, and the call
+    still says what every try learned (nobody serves it), not DEADLINE_EXCEEDED."""
+    async with Blackhole(nats_server.port) as link:
+        async with await rlbus.RLClient.connect(link.url, prefix="nobody-" + uuid.uuid4().hex[:6], timeout=10) as rl:
+            link.delay_s = 0.05
+            # tries end ~0.05, 0.15, 0.3, 0.55 s in; the next starts ~0.95 s in: these deadlines cut it short
+            for timeout in (0.96, 0.97, 0.98, 0.99, 1.0):
+                with anyio.fail_after(5), pytest.raises(rlbus.Unavailable, match="no responders"):
+                    await rl.call(GetServerInfo(), ServerInfo, timeout=timeout)
 
 
 # ---- an answer is durable before it is sent (real controller processes, SIGKILL) ---------------
