@@ -185,7 +185,7 @@ class RLClient:
             raise DeadlineExceeded(f"no time left for {op} within the caller's deadline")
         start = time.monotonic()
         delay = 0.05
-        nobody: Fault | None = None  # the last "no responders": what a try the deadline cut short ends with
+        nobody: Fault | None = None  # the last UNAVAILABLE (no responders, a link down): what a try cut short ends with
         while True:
             left = t - (time.monotonic() - start)
             # at least three attempts fit in a call: one lost to a leader that went silent
