@@ -175,23 +175,29 @@ _after_reply: ContextVar[list[Acked] | None] = ContextVar("rlbus_after_reply", d
 """The command being answered's writes sent ahead of its reply (None outside a command)."""
 
 
-async def after_reply(acked: Acked, what: str) -> None:
-    """A write the handler sent ahead of its command's reply: its acknowledgement is awaited
-    once the reply is out (with the answer's, see ReplyCache.settle; a drain waits for it), and
-    a store that refused it is logged naming `what`: the reply stood already. Outside a command
-    with an id (a takeover, a test) it is awaited now, and a refusal raises."""
-    pending = _after_reply.get()
-    if pending is None:
-        await acked()
-        return
+def logged(acked: Acked, what: str) -> Callable[[], Awaitable[None]]:
+    """`acked`, awaited after a reply that already stood: a store that refused the write is
+    logged naming `what`, never raised."""
 
-    async def logged() -> None:
+    async def wait() -> None:
         try:
             await acked()
         except Exception as e:
             log.warning("%s was not kept in the state store: %s", what, e)
 
-    pending.append(logged)
+    return wait
+
+
+async def after_reply(acked: Acked, what: str) -> None:
+    """A write the handler sent ahead of its command's reply: its acknowledgement is awaited
+    once the reply is out (with the answer's, see ReplyCache.settle; a drain waits for it), and
+    a store that refused it is logged naming `what`. Outside a command with an id (a takeover,
+    a test) it is awaited now, and a refusal raises."""
+    pending = _after_reply.get()
+    if pending is None:
+        await acked()
+    else:
+        pending.append(logged(acked, what))
 
 
 def fingerprint(op: str, data: bytes) -> str:

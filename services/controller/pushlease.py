@@ -19,7 +19,6 @@ import logging
 import time
 
 from rlbus.schemas import FailedPrecondition, PushLease
-from rlbus.services.endpoints import after_reply
 
 from .store import StateStore
 
@@ -98,14 +97,10 @@ class PushLeases:
         `ahead`: the write goes out ahead of the command's reply and is acknowledged after it."""
         if self.held is not None and self.held.trainer_id == trainer_id:
             self.held = None
-            what = "the released push lease"
             try:
-                if ahead:
-                    await after_reply(await self.store.put_push_lease_ahead(None), what)
-                else:
-                    await self.store.put_push_lease(None)
+                await self.store.put_push_lease(None, ahead=ahead)
             except Exception as e:
-                log.warning("%s was not kept in the state store: %s", what, e)
+                log.warning("the released push lease was not kept in the state store: %s", e)
 
     def group_of(self, trainer_id: str | None) -> str | None:
         """The transfer group `trainer_id` built last, if this controller saw it."""

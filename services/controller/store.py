@@ -43,7 +43,7 @@ from rlbus.schemas import (
     encode,
     version_decoder,
 )
-from rlbus.services.endpoints import StoredReply
+from rlbus.services.endpoints import StoredReply, after_reply, logged
 
 log = logging.getLogger("rlbus.controller.store")
 
@@ -269,36 +269,32 @@ class StateStore:
         except msgspec.DecodeError:  # written as a bare id before the JSON record
             return raw.decode()
 
-    async def put_session(self, session_id: str | None) -> None:
-        await self.put(KvKey.SESSION, msgspec.json.encode(session_id))
+    async def _keep(self, key: str, value: bytes, ahead: bool, what: str) -> None:
+        """A put; `ahead`: sent ahead of the command's reply and acknowledged after it
+        (put_ahead, endpoints.after_reply), a refusal then logged naming `what`."""
+        if ahead:
+            await after_reply(await self.put_ahead(key, value), what)
+        else:
+            await self.put(key, value)
 
-    async def put_session_ahead(self, session_id: str | None) -> Callable[[], Awaitable[int]]:
-        return await self.put_ahead(KvKey.SESSION, msgspec.json.encode(session_id))
+    async def put_session(self, session_id: str | None, *, ahead: bool = False) -> None:
+        await self._keep(KvKey.SESSION, msgspec.json.encode(session_id), ahead, "the session's record")
 
     async def decision(self) -> CommitDecision | None:
         """The last decided commit, if any was ever decided."""
         raw, _ = await self.get(KvKey.DECISION)
         return _decision.decode(raw) if raw else None
 
-    async def put_decision(self, decision: CommitDecision) -> None:
-        await self.put(KvKey.DECISION, encode(decision))
-
-    async def put_decision_ahead(self, decision: CommitDecision) -> Callable[[], Awaitable[int]]:
-        return await self.put_ahead(KvKey.DECISION, encode(decision))
+    async def put_decision(self, decision: CommitDecision, *, ahead: bool = False) -> None:
+        await self._keep(KvKey.DECISION, encode(decision), ahead, "the commit decision")
 
     async def push_lease(self) -> PushLease | None:
         raw, _ = await self.get(KvKey.PUSH_LEASE)
         return _push_lease.decode(raw) if raw else None
 
-    async def put_push_lease(self, lease: PushLease | None) -> None:
-        await self.put(KvKey.PUSH_LEASE, _lease_record(lease))
-
-    async def put_push_lease_ahead(self, lease: PushLease | None) -> Callable[[], Awaitable[int]]:
-        return await self.put_ahead(KvKey.PUSH_LEASE, _lease_record(lease))
-
-
-def _lease_record(lease: PushLease | None) -> bytes:
-    return encode(lease) if lease is not None else b"null"
+    async def put_push_lease(self, lease: PushLease | None, *, ahead: bool = False) -> None:
+        record = encode(lease) if lease is not None else b"null"
+        await self._keep(KvKey.PUSH_LEASE, record, ahead, "the push lease")
 
 
 def default_replicas(nc: Client) -> int:
@@ -401,15 +397,7 @@ class ReplyStore:
         """Keep an answer: sent when this returns, ahead of the reply; the call it returns waits
         for the store to acknowledge it (a write the store refuses is logged: the answer still
         goes out, and the claim stays, so a retry is refused rather than run twice)."""
-        acked = await self.store.put_ahead(self._key(command_id), encode(stored))
-
-        async def kept() -> None:
-            try:
-                await acked()
-            except Exception as e:
-                log.warning("answer to command %s not kept in KV: %s", command_id, e)
-
-        return kept
+        return logged(await self.store.put_ahead(self._key(command_id), encode(stored)), f"the answer to {command_id}")
 
 
 _stored = msgspec.json.Decoder(StoredReply)

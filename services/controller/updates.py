@@ -52,7 +52,7 @@ from rlbus.schemas import (
     tensor_checksums_problem,
     version_problem,
 )
-from rlbus.services.endpoints import Routes, after_reply
+from rlbus.services.endpoints import Routes
 
 from . import session as S
 from .fanout import Outcome
@@ -139,10 +139,7 @@ class Updates:
         self.session = state
         sid = self.session_id
         if sid != self._kv_session:
-            if ahead:
-                await after_reply(await self.store.put_session_ahead(sid), "the session's record")
-            else:
-                await self.store.put_session(sid)
+            await self.store.put_session(sid, ahead=ahead)
             self._kv_session = sid
 
     def refuse_resume(self) -> None:
@@ -637,7 +634,7 @@ class Updates:
         await self._commit_version(new)  # durable before KV forgets the session
         self.state_lost = False
         self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
-        await after_reply(await self.store.put_decision_ahead(self.decision), "the commit decision marked done")
+        await self.store.put_decision(self.decision, ahead=True)
         if isinstance(self.session, S.Decided) and self.session.session_id == decision.session_id:
             await self._settle(self._advance(S.CommitDone()).state, ahead=True)
         if closing is not None:
