@@ -1,6 +1,6 @@
 """Helpers of the cluster tests (a real 3-node NATS cluster on loopback): an in-process fleet
-on the cluster, a subscriber on one node that records what it receives, and a probe that a KV
-bucket takes writes again after its nodes came back."""
+on the cluster, a subscriber on one node that records what it receives, a probe that a KV
+bucket takes writes again after its nodes came back, and one that its replicas are all current."""
 
 from __future__ import annotations
 
@@ -91,4 +91,21 @@ async def takes_writes(nc, bucket: str) -> bool:
         await kv.put("probe-quorum", b"1")
     except Exception:
         return False
+    return True
+
+
+async def replicas_current(nc, *buckets: str) -> bool:
+    """Each KV bucket's stream has a leader and every replica is current. A node started again
+    (same store) is running long before its replicas have caught up: until then, losing another
+    node leaves a stream without quorum (a fresh-clone run saw the state stream leaderless for
+    over 30 s so). Wait on this before killing the next node."""
+    js = nc.jetstream(timeout=1.0)
+    for bucket in buckets:
+        try:
+            info = await js.stream_info(f"KV_{bucket}")
+        except Exception:
+            return False
+        c = info.cluster
+        if c is None or c.leader is None or not all(r.current for r in c.replicas or []):
+            return False
     return True

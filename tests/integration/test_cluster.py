@@ -18,7 +18,7 @@ from rlbus.services.worker.service import WorkerOptions
 import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster, NatsServer
-from tests.clusterfleet import Published
+from tests.clusterfleet import Published, replicas_current
 from tests.fleet import fleet_running
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
@@ -50,6 +50,20 @@ async def test_the_state_bucket_is_replicated_on_three_nodes(fleet, cluster):
 
 def _node_of(cluster: NatsCluster, nc) -> NatsServer:
     return next(n for n in cluster.nodes if n.port == nc.connected_url.port)
+
+
+async def _whole(f, cluster: NatsCluster, rl) -> None:
+    """Every node running, the state and answer streams' replicas current on all three (a node
+    started again runs long before it has caught up: killing another one meanwhile leaves a
+    stream without quorum), and every worker registered."""
+    await eventually(lambda: all(n.running() for n in cluster.nodes), timeout=20, what="every node running")
+    await eventually(
+        lambda: replicas_current(f.controller.nc, rl.subjects.kv_bucket, rl.subjects.replies_bucket),
+        timeout=30,
+        interval=0.1,
+        what="the state and answer streams' replicas all current",
+    )
+    await eventually(lambda: all(w in f.controller.registry for w in f.workers), timeout=20, what="every worker registered")
 
 
 async def _everyone_back(f, killed: NatsServer) -> None:
@@ -97,11 +111,7 @@ async def test_the_controllers_node_killed_mid_push_commits_once_or_aborts_every
     committed and before the controller recorded the version."""
     f, rl = fleet
     assert f.controller is not None
-    await eventually(
-        lambda: all(n.running() for n in cluster.nodes) and all(w in f.controller.registry for w in f.workers),
-        timeout=20,
-        what="a whole cluster and fleet",
-    )
+    await _whole(f, cluster, rl)
     old = await rl.get_weight_version_info()
     node = _node_of(cluster, f.controller.nc)
     watcher = next(n for n in cluster.nodes if n is not node)
@@ -171,11 +181,7 @@ async def test_a_worker_whose_node_is_killed_reconnects_and_is_reconciled(fleet,
     is reconciled (paused) like any rejoining worker; then a push reaches it."""
     f, rl = fleet
     assert f.controller is not None
-    await eventually(
-        lambda: all(n.running() for n in cluster.nodes) and all(w in f.controller.registry for w in f.workers),
-        timeout=20,
-        what="a whole cluster and fleet",
-    )
+    await _whole(f, cluster, rl)
     controllers = _node_of(cluster, f.controller.nc)
     nodes = [n for n in cluster.nodes if n is not controllers]
     async with (

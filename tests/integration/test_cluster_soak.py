@@ -23,7 +23,7 @@ import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
 from rlbus.sdk.client import RLClient
-from tests.clusterfleet import Published, cluster_fleet
+from tests.clusterfleet import Published, cluster_fleet, replicas_current
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, trained
 
@@ -46,15 +46,6 @@ async def fleet(cluster, prefix) -> AsyncIterator[tuple[LocalFleet, RLClient]]:
         cluster, prefix, WORKERS, "shm", trainer_timeout=60.0, command_timeout_s=5.0, liveness_timeout_s=2.0
     ) as running:
         yield running
-
-
-async def _replicas_current(nc, stream: str) -> bool:
-    try:
-        info = await nc.jetstream(timeout=1.0).stream_info(stream)
-    except Exception:
-        return False
-    c = info.cluster
-    return c is not None and c.leader is not None and all(r.current for r in c.replicas or [])
 
 
 async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fleet, cluster, monkeypatch):
@@ -85,10 +76,10 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
     async def whole() -> None:
         """Every node up and its replicas current, every service connected and every worker registered."""
         await eventually(
-            lambda: _replicas_current(f.controller.nc, rl.subjects.kv_stream),
+            lambda: replicas_current(f.controller.nc, rl.subjects.kv_bucket, rl.subjects.replies_bucket),
             timeout=30,
             interval=0.1,
-            what="the state stream's replicas all current",
+            what="the state and answer streams' replicas all current",
         )
         await eventually(
             lambda: (
