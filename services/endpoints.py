@@ -205,14 +205,16 @@ def fingerprint(op: str, data: bytes) -> str:
 
 
 class _Running:
-    """A command running under its id: what it is, and the Event a duplicate waits on (made
-    by the first duplicate: most commands have none, and an Event costs more than the dedup)."""
+    """A command running under its id: what it is, the Event a duplicate waits on (made by
+    the first duplicate: most commands have none, and an Event costs more than the dedup), and
+    the error its claim ended in, which the duplicates that waited on it answer too."""
 
-    __slots__ = ("fingerprint", "done")
+    __slots__ = ("fingerprint", "done", "refused")
 
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
         self.done: anyio.Event | None = None
+        self.refused: RLBusError | None = None
 
 
 class ReplyCache:
@@ -251,12 +253,22 @@ class ReplyCache:
         *,
         durable: bool = False,
         recover: Callable[[], Awaitable[bytes | None]] | None = None,
+        gate: Callable[[], Awaitable[None]] | None = None,
     ) -> bytes:
         """The answer of `work`, run once per command id. `durable`: also keep it in the
         durable store (state-changing commands). A command that was running when the process
         serving it stopped is not run again: `recover` may answer it from the state it left
-        (None, or no `recover`: ABORTED, saying so)."""
+        (None, or no `recover`: ABORTED, saying so). `gate` runs first and may refuse it (an
+        RLBusError, recorded nowhere).
+
+        Sends of one command that arrive while it runs wait for it and share its outcome, a
+        refusal included: a trainer resends a command its first send has not answered within an
+        attempt (5 s), and a refusal (the state store without quorum for its 15 s patience)
+        answers the call; a resend that started over behind it could run the command after its
+        caller was told it was refused."""
         if not command_id:
+            if gate is not None:
+                await gate()
             return await work()
         while command_id in self._running:  # a duplicate arrived while the first runs
             first = self._running[command_id]
@@ -264,16 +276,24 @@ class ReplyCache:
             if first.done is None:
                 first.done = anyio.Event()
             await first.done.wait()
-        if command_id in self._done:
-            stored = self._done[command_id]
-            self._check(command_id, print_, stored.fingerprint)
-            return stored.reply
-        self._running[command_id] = _Running(print_)
+            if first.refused is not None:
+                raise first.refused
+        self._running[command_id] = running_now = _Running(print_)
         try:
-            store = self.durable if durable else None
-            # kept before it runs (claimed): a retry after a crash mid-run is not run again
-            running = StoredReply(print_, b"", answered=False)
-            stored = await store.claim(command_id, running) if store is not None else None  # type: ignore[assignment]
+            try:
+                if gate is not None:
+                    await gate()
+                if command_id in self._done:
+                    stored = self._done[command_id]
+                    self._check(command_id, print_, stored.fingerprint)
+                    return stored.reply
+                store = self.durable if durable else None
+                # kept before it runs (claimed): a retry after a crash mid-run is not run again
+                running = StoredReply(print_, b"", answered=False)
+                stored = await store.claim(command_id, running) if store is not None else None  # type: ignore[assignment]
+            except RLBusError as e:
+                running_now.refused = e
+                raise
             if stored is not None:
                 self._check(command_id, print_, stored.fingerprint)
                 if not stored.answered:
@@ -415,9 +435,7 @@ class Endpoints:
             print_ = fingerprint(op, req.data)
 
             def work() -> Awaitable[bytes]:
-                if gate is not None:
-                    return self._gated(gate, route, handler, cmd, print_)
-                return self._answer(route, handler, cmd, print_)
+                return self._answer(route, handler, cmd, print_, gate)
 
             command_id: str = cmd.command_id  # type: ignore[attr-defined]
             if route.runs_inline(cmd) and command_id not in self.replies:
@@ -476,14 +494,12 @@ class Endpoints:
             assert parked.job is not None
             job = parked.job
 
-    async def _gated(self, gate: Gate, route: Route[Any], handler: Handler, cmd: Any, print_: str) -> bytes:
-        try:
-            await gate(route, cmd)
-        except RLBusError as e:  # refused before the reply cache: nothing is recorded under the id
-            return encode(e.to_nack())
-        return await self._answer(route, handler, cmd, print_)
+    async def _answer(
+        self, route: Route[Any], handler: Handler, cmd: Any, print_: str, gate: Gate | None = None
+    ) -> bytes:
+        """Run the command once per id (the reply cache), after `gate` let it through: a gate's
+        refusal is recorded nowhere, and answers the sends of the command that waited on it."""
 
-    async def _answer(self, route: Route[Any], handler: Handler, cmd: Any, print_: str) -> bytes:
         async def work() -> bytes:
             budget = getattr(cmd, "timeout_s", None)
             try:
@@ -506,10 +522,18 @@ class Endpoints:
 
         try:
             return await self.replies.run(
-                cmd.command_id, print_, work, durable=not route.read, recover=route.recovery(cmd)
+                cmd.command_id,
+                print_,
+                work,
+                durable=not route.read,
+                recover=route.recovery(cmd),
+                gate=None if gate is None else lambda: gate(route, cmd),
             )
-        except RLBusError as e:  # the id was used for another command, or the store could not claim it
+        except RLBusError as e:  # refused by the gate, the id used for another command, no claim
             return encode(e.to_nack())
+        except Exception as e:  # a bug in the store's handling: answered INTERNAL, the service serves on
+            log.exception("%s: %s: keeping its answer failed", self._name, type(cmd).__name__)
+            return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
 
     async def _reply(
         self, req: Request, work: Callable[[], Awaitable[bytes]], counted: bool = True, command_id: str = ""

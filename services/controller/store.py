@@ -210,7 +210,18 @@ class StateStore:
         return acked
 
     async def create(self, key: str, value: bytes) -> int:
-        return await self._guard(f"create {key}", lambda: self.kv.create(key, value))
+        """Write a key that must not exist yet; KeyWrongLastSequenceError if it does."""
+
+        async def attempt() -> int:
+            try:
+                return await self.kv.create(key, value)
+            except KeyNotFoundError:
+                # the server refused the create (wrong last sequence: the key is there), and
+                # nats-py's read-back, which looks for a deleted key to write over, reached a
+                # replica that has not applied it yet (a stream catching up after a node loss)
+                raise KeyWrongLastSequenceError(description=f"{key} exists") from None
+
+        return await self._guard(f"create {key}", attempt)
 
     async def update(self, key: str, value: bytes, last: int) -> int:
         return await self._guard(f"update {key}", lambda: self.kv.update(key, value, last=last))
@@ -381,6 +392,7 @@ class ReplyStore:
         """Mark the command started (None), or what the id already holds: one round trip for a
         new id. Raises UNAVAILABLE when the store cannot take the write."""
         key = self._key(command_id)
+        deadline = time.monotonic() + self.store.patience_s
         while True:
             try:
                 await self.store.create(key, encode(running))
@@ -391,7 +403,13 @@ class ReplyStore:
             raw, _ = await self.store.get(key)
             if raw:
                 return _stored.decode(raw)
-            # expired (or deleted) between the two calls: claim it again
+            # expired (or deleted) between the two calls, or read from a replica still catching
+            # up: claim it again, within the store's patience
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    self.store.no_quorum(f"claim {command_id}", "its record exists but no read returns it")
+                )
+            await anyio.sleep(0.05)  # back-off between retries, not a wait for a condition
 
     async def put(self, command_id: str, stored: StoredReply) -> Callable[[], Awaitable[None]]:
         """Keep an answer: sent when this returns, ahead of the reply; the call it returns waits

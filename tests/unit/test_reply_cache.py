@@ -8,6 +8,7 @@ from __future__ import annotations
 import anyio
 import pytest
 from rlbus.schemas import Nack, reply_decoder
+from rlbus.schemas.errors import Unavailable
 from rlbus.services.endpoints import ReplyCache, StoredReply, after_reply
 
 
@@ -155,6 +156,75 @@ async def test_a_command_that_never_answered_is_answered_from_what_its_run_left_
     store.kept["c2"] = StoredReply("finish_weight_update:y", b"", answered=False)
     reply = reply_decoder.decode(await cache.run("c2", "finish_weight_update:y", work, durable=True, recover=nothing))
     assert isinstance(reply, Nack) and reply.code == "ABORTED"
+
+
+class NoQuorumReplies(DictReplies):
+    """A store without quorum: each claim waits for `gate`, then is refused UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims = 0
+
+    async def claim(self, command_id: str, running: StoredReply) -> StoredReply | None:
+        self.claims += 1
+        await self.gate.wait()
+        raise Unavailable("the state store has no quorum")
+
+
+async def test_a_resend_that_waited_on_a_claim_the_store_refused_hears_that_refusal_not_a_second_wait():
+    store = NoQuorumReplies()
+    cache = ReplyCache(durable=store)
+    refused: list[str] = []
+
+    async def send() -> None:
+        try:
+            await cache.run("c1", "pause:x", lambda: _answer(b"ok"), durable=True)
+        except Unavailable as e:
+            refused.append(e.message)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)  # the first send: its claim waits on the store
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(send)  # the SDK's resend, same id, while the first still runs
+        await anyio.wait_all_tasks_blocked()
+        assert store.claims == 1
+        store.gate.set()
+    assert refused == ["the state store has no quorum"] * 2
+    assert store.claims == 1, "the resend started the store's whole patience over"
+    await send()  # a send after the refusal tries the store again: quorum may be back
+    assert store.claims == 2 and len(refused) == 3
+
+
+async def test_a_resend_that_waited_on_a_gate_that_refused_the_command_hears_that_refusal_and_never_runs_it():
+    cache = ReplyCache(durable=DictReplies())
+    opened = anyio.Event()
+    gates: list[str] = []
+    ran: list[str] = []
+    refused: list[str] = []
+
+    async def gate() -> None:  # the lease's renewal, riding out a store without quorum
+        gates.append("asked")
+        await opened.wait()
+        if len(gates) == 1:
+            raise Unavailable("the state store has no quorum")
+
+    async def work() -> bytes:
+        ran.append("ran")
+        return b"ok"
+
+    async def send() -> None:
+        try:
+            await cache.run("c1", "pause:x", work, durable=True, gate=gate)
+        except Unavailable as e:
+            refused.append(e.message)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(send)  # the resend: it must not run the command once quorum is back
+        await anyio.wait_all_tasks_blocked()
+        opened.set()
+    assert refused == ["the state store has no quorum"] * 2 and gates == ["asked"] and ran == []
 
 
 async def test_a_read_is_neither_marked_nor_kept():
