@@ -18,6 +18,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from rlbus.bus.replies import Call
 from rlbus.schemas import PermissionDenied
 
 log = logging.getLogger("rlbus.bus.connection")
@@ -297,10 +298,11 @@ async def stop_service(svc: Any, timeout: float = 2.0) -> None:
     svc._stopped.set()
 
 
-async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> Msg:
+async def request(nc: Client, subject: str, payload: bytes, timeout: float, call: Call | None = None) -> Msg:
     """nc.request, except that a permission denial for `subject` fails at once, loudly, with
     PermissionDenied, instead of surfacing as a timeout (nats-py reports a denial only to
-    its error callback)."""
+    its error callback). With `call`, one send of that call (bus/replies.py: an answer to any
+    earlier send of it counts)."""
     denials = denials_of(nc)
     inbox = _inbox_denied(nc)
     if inbox:
@@ -308,7 +310,10 @@ async def request(nc: Client, subject: str, payload: bytes, timeout: float) -> M
     outcome: list[Msg | Exception] = []
     with denials.watch(subject) as watch, watch.scope:  # a denial cancels the scope: no task to wait on it
         try:
-            outcome.append(await nc.request(subject, payload, timeout=timeout))
+            if call is None:
+                outcome.append(await nc.request(subject, payload, timeout=timeout))
+            else:
+                outcome.append(await call.ask(subject, payload, timeout))
         except Exception as e:
             outcome.append(e)
     if watch.event.is_set():

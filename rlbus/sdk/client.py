@@ -15,6 +15,7 @@ from nats.aio.client import Client
 
 from rlbus.bus.connection import NatsAuth, connect, drain, request, resolve_url
 from rlbus.bus.faults import Fault, expect_reply, fault_of
+from rlbus.bus.replies import ReplyInbox
 from rlbus.schemas import (
     AnyControlCommand,
     Backend,
@@ -96,6 +97,8 @@ class RLClient:
         deadline; a retry resends the same command id, so it runs once."""
         """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
         self._owns = owns_connection
+        self._replies = ReplyInbox(nc)
+        """Where answers arrive: a call keeps one reply subject across its resends."""
         self.trainer_id = uuid.uuid4().hex[:12]
         """Sent with every command (ControlCommand.trainer_id): the fleet's push lease names its holder by it."""
         self.push = WeightPush(self.call, lambda: self.nc.max_payload)
@@ -133,6 +136,8 @@ class RLClient:
         self.push.close()
         if self._owns:
             await drain(self.nc)
+        else:
+            await self._replies.close()
 
     async def __aenter__(self) -> RLClient:
         return self
@@ -186,35 +191,41 @@ class RLClient:
         start = time.monotonic()
         delay = 0.05
         nobody: Fault | None = None  # the last UNAVAILABLE (no responders, a link down): what a try cut short ends with
-        while True:
-            left = t - (time.monotonic() - start)
-            # at least three attempts fit in a call: one lost to a leader that went silent
-            # leaves time for the resend that reaches its successor
-            wait = min(left, self.attempt_s, t / 3) if resend else left
-            try:
-                msg = await request(self.nc, subject, payload, wait)
-                break
-            except PermissionDenied:
-                raise
-            except Exception as e:  # no responders, timeout, connection closed
-                fault = fault_of(e, who=who, op=op, timeout=t, hint=hint)
-                waited = time.monotonic() - start
-                if fault.code == "UNAVAILABLE":
-                    nobody = fault
-                elif fault.code == "DEADLINE_EXCEEDED" and nobody is not None and wait < min(self.attempt_s, t / 3):
-                    # a try the back-off left too little time for timed out: it learned nothing
-                    # the tries before it had not (nobody serves this), and the call says that
-                    fault = nobody
-                # retries are normal while services start or fail over: quiet unless they last
-                level = logging.WARNING if waited > QUIET_RETRY_S else logging.DEBUG
-                if resend and fault.code == "DEADLINE_EXCEEDED" and waited < t - 0.01:
-                    log.log(level, "%s: no answer within %.1fs; sending it again (same id)", op, wait)
-                    continue
-                if fault.code != "UNAVAILABLE" or waited + delay >= min(t, self.retry_s):
-                    raise fault.error() from None
-                log.log(level, "%s: %s; retrying", op, fault.message)
-                await anyio.sleep(delay)  # back-off between retries, not a wait for a condition
-                delay = min(delay * 2, 0.5)
+        # every send of this call is answered on one subject: an answer slower than one attempt
+        # (a store riding out a node loss) still reaches the call after it sent again
+        call = self._replies.call()
+        try:
+            while True:
+                left = t - (time.monotonic() - start)
+                # at least three attempts fit in a call: one lost to a leader that went silent
+                # leaves time for the resend that reaches its successor
+                wait = min(left, self.attempt_s, t / 3) if resend else left
+                try:
+                    msg = await request(self.nc, subject, payload, wait, call)
+                    break
+                except PermissionDenied:
+                    raise
+                except Exception as e:  # no responders, timeout, connection closed
+                    fault = fault_of(e, who=who, op=op, timeout=t, hint=hint)
+                    waited = time.monotonic() - start
+                    if fault.code == "UNAVAILABLE":
+                        nobody = fault
+                    elif fault.code == "DEADLINE_EXCEEDED" and nobody is not None and wait < min(self.attempt_s, t / 3):
+                        # a try the back-off left too little time for timed out: it learned nothing
+                        # the tries before it had not (nobody serves this), and the call says that
+                        fault = nobody
+                    # retries are normal while services start or fail over: quiet unless they last
+                    level = logging.WARNING if waited > QUIET_RETRY_S else logging.DEBUG
+                    if resend and fault.code == "DEADLINE_EXCEEDED" and waited < t - 0.01:
+                        log.log(level, "%s: no answer within %.1fs; sending it again (same id)", op, wait)
+                        continue
+                    if fault.code != "UNAVAILABLE" or waited + delay >= min(t, self.retry_s):
+                        raise fault.error() from None
+                    log.log(level, "%s: %s; retrying", op, fault.message)
+                    await anyio.sleep(delay)  # back-off between retries, not a wait for a condition
+                    delay = min(delay * 2, 0.5)
+        finally:
+            call.close()
         return expect_reply(msg, op, expect, decoder) if decoder is not None else expect_reply(msg, op, expect)
 
     # ---- fleet state -------------------------------------------------------------------

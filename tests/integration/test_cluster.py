@@ -63,7 +63,9 @@ async def _whole(f, cluster: NatsCluster, rl) -> None:
         interval=0.1,
         what="the state and answer streams' replicas all current",
     )
-    await eventually(lambda: all(w in f.controller.registry for w in f.workers), timeout=20, what="every worker registered")
+    await eventually(
+        lambda: all(w in f.controller.registry for w in f.workers), timeout=20, what="every worker registered"
+    )
 
 
 async def _everyone_back(f, killed: NatsServer) -> None:

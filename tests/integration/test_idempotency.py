@@ -7,6 +7,7 @@ expiry proves no other controller holds it)."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import time
@@ -21,6 +22,7 @@ from rlbus.schemas import (
     FinishWeightUpdate,
     FleetAck,
     GetServerInfo,
+    GetWeightVersion,
     KvKey,
     Nack,
     Pause,
@@ -29,7 +31,9 @@ from rlbus.schemas import (
     StartWeightUpdate,
     Subjects,
     UpdateWeightVersion,
+    VersionInfo,
     encode,
+    op_of,
     reply_decoder,
 )
 from rlbus.services.controller.service import ControllerOptions
@@ -280,6 +284,34 @@ async def test_a_call_nobody_serves_ends_unavailable_when_its_deadline_cuts_the_
             for timeout in (0.96, 0.97, 0.98, 0.99, 1.0):
                 with anyio.fail_after(5), pytest.raises(rlbus.Unavailable, match="no responders"):
                     await rl.call(GetServerInfo(), ServerInfo, timeout=timeout)
+
+
+async def test_an_answer_slower_than_one_attempt_reaches_the_call_after_it_sent_again(nats_server):
+    """The controller answers each send on the reply subject it came with, and a resend that
+    waited behind the first hears nothing new (the reply cache): the first send's answer,
+    later than one attempt (a store riding out a node loss for 15 s against 5 s attempts),
+    must still reach the call, which keeps one reply subject for all its sends."""
+    prefix = "slow-" + uuid.uuid4().hex[:6]
+    responder = await nats.connect(nats_server.url)
+    sends: list[str] = []
+
+    async def answer_the_first_send_late(msg) -> None:
+        sends.append(msg.reply)
+        if len(sends) == 1:  # answered 0.5 s late (a stand-in for the store's patience); resends never
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.5, lambda: loop.create_task(msg.respond(encode(VersionInfo(version="slow", seq=7)))))
+
+    await responder.subscribe(Subjects(prefix=prefix).control(op_of(GetWeightVersion)), cb=answer_the_first_send_late)
+    await responder.flush()
+    try:
+        async with await rlbus.RLClient.connect(nats_server.url, prefix=prefix, timeout=3) as rl:
+            rl.attempt_s = 0.2
+            with anyio.fail_after(3):
+                info = await rl.call(GetWeightVersion(), VersionInfo)
+            assert (info.version, info.seq) == ("slow", 7)
+            assert len(sends) >= 2 and len(set(sends)) == 1, "every send of the call names one reply subject"
+    finally:
+        await responder.close()
 
 
 # ---- an answer is durable before it is sent (real controller processes, SIGKILL) ---------------
