@@ -17,6 +17,7 @@ from rlbus.services.worker.service import WorkerOptions
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
 from rlbus.sdk.client import RLClient
+from tests.waiting import eventually
 from tests.weights_helpers import MODEL
 
 
@@ -92,6 +93,16 @@ async def takes_writes(nc, bucket: str) -> bool:
     except Exception:
         return False
     return True
+
+
+async def streams_current(nc, subjects: Subjects) -> None:
+    """Wait until the state and answer buckets' streams have a leader and every replica current."""
+    await eventually(
+        lambda: replicas_current(nc, subjects.kv_bucket, subjects.replies_bucket),
+        timeout=30,
+        interval=0.1,
+        what="the state and answer streams' replicas all current",
+    )
 
 
 async def replicas_current(nc, *buckets: str) -> bool:

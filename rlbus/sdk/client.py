@@ -89,13 +89,14 @@ class RLClient:
         self.nc = nc
         self.subjects = subjects or Subjects()
         self.timeout = timeout
+        """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
         self.retry_s = retry_s
-        self.attempt_s = ATTEMPT_S
-        """How long one attempt of a control call waits before the same command is sent again."""
         """How long a call keeps retrying while nothing answers its subject (no responders, a
         reconnecting connection): a controller handover, a NATS restart. Within the call's
         deadline; a retry resends the same command id, so it runs once."""
-        """Deadline of one call; no call waits longer (a fan-out's own deadline is shorter)."""
+        self.attempt_s = ATTEMPT_S
+        """How long one attempt of a control call waits before the same command is sent again
+        (on the same reply subject: an answer to any send of it answers the call)."""
         self._owns = owns_connection
         self._replies = ReplyInbox(nc)
         """Where answers arrive: a call keeps one reply subject across its resends."""

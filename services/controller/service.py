@@ -274,7 +274,8 @@ class ControllerService:
             tg.cancel_scope.cancel()
 
     def _leading(self, lease: Lease) -> Gate:
-        """Before every command, and before its id reaches the reply cache. A state-changing
+        """Before every command, and before its id is answered or claimed by the reply cache
+        (endpoints.Gate; the sends of one command that wait behind it share its refusal). A state-changing
         command confirms the lease: a command with an id is claimed in the answer store next (a
         quorum write before anything is dispatched, endpoints.ReplyCache), so a lease its expiry
         proves needs no round trip; one without an id renews it (a compare-and-set in the state

@@ -18,7 +18,7 @@ from rlbus.services.worker.service import WorkerOptions
 import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster, NatsServer
-from tests.clusterfleet import Published, replicas_current
+from tests.clusterfleet import Published, streams_current
 from tests.fleet import fleet_running
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
@@ -57,12 +57,7 @@ async def _whole(f, cluster: NatsCluster, rl) -> None:
     started again runs long before it has caught up: killing another one meanwhile leaves a
     stream without quorum), and every worker registered."""
     await eventually(lambda: all(n.running() for n in cluster.nodes), timeout=20, what="every node running")
-    await eventually(
-        lambda: replicas_current(f.controller.nc, rl.subjects.kv_bucket, rl.subjects.replies_bucket),
-        timeout=30,
-        interval=0.1,
-        what="the state and answer streams' replicas all current",
-    )
+    await streams_current(f.controller.nc, rl.subjects)
     await eventually(
         lambda: all(w in f.controller.registry for w in f.workers), timeout=20, what="every worker registered"
     )

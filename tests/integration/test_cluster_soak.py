@@ -23,7 +23,7 @@ import rlbus
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
 from rlbus.sdk.client import RLClient
-from tests.clusterfleet import Published, cluster_fleet, replicas_current
+from tests.clusterfleet import Published, cluster_fleet, streams_current
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, assert_holds, trained
 
@@ -75,12 +75,7 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
 
     async def whole() -> None:
         """Every node up and its replicas current, every service connected and every worker registered."""
-        await eventually(
-            lambda: replicas_current(f.controller.nc, rl.subjects.kv_bucket, rl.subjects.replies_bucket),
-            timeout=30,
-            interval=0.1,
-            what="the state and answer streams' replicas all current",
-        )
+        await streams_current(f.controller.nc, rl.subjects)
         await eventually(
             lambda: (
                 f.controller.nc.is_connected
