@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
@@ -43,7 +44,9 @@ C = TypeVar("C", bound=Message)
 
 Handler = Callable[[Any], Awaitable[object]]
 Gate = Callable[["Route[Any]", Any], Awaitable[None]]
-"""Runs before a command reaches the reply cache; raises an RLBusError to refuse it."""
+"""Runs before a command is answered from the reply cache or claimed in its store (after a send of
+the same command already running has finished: its sends share one outcome); raises an
+RLBusError to refuse it, which is recorded nowhere."""
 
 REPLY_MARGIN_S = 0.2
 """A command with a deadline is answered this long before it, so the answer reaches the caller."""
@@ -153,6 +156,10 @@ class StoredReply(msgspec.Struct, frozen=True):
     answered: bool = True
     """False: the command started (kept before it runs) and its answer was never kept: the
     process that ran it died. A retry is refused (ABORTED), never run a second time."""
+    claim: str = ""
+    """A token of the run that kept it started: a claim whose write landed but whose
+    acknowledgement was lost (a stalled event loop timed it out) and was sent again finds its
+    own record, not a dead run's."""
 
 
 class DurableReplies(Protocol):
@@ -289,7 +296,7 @@ class ReplyCache:
                     return stored.reply
                 store = self.durable if durable else None
                 # kept before it runs (claimed): a retry after a crash mid-run is not run again
-                running = StoredReply(print_, b"", answered=False)
+                running = StoredReply(print_, b"", answered=False, claim=secrets.token_hex(8))
                 stored = await store.claim(command_id, running) if store is not None else None  # type: ignore[assignment]
             except RLBusError as e:
                 running_now.refused = e

@@ -402,7 +402,10 @@ class ReplyStore:
                     raise
             raw, _ = await self.store.get(key)
             if raw:
-                return _stored.decode(raw)
+                stored = _stored.decode(raw)
+                if running.claim and stored.claim == running.claim:
+                    return None  # our own claim: its write landed, its acknowledgement did not
+                return stored
             # expired (or deleted) between the two calls, or read from a replica still catching
             # up: claim it again, within the store's patience
             if time.monotonic() > deadline:

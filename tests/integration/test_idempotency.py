@@ -17,6 +17,7 @@ import anyio
 import msgspec
 import nats
 import pytest
+from nats.errors import TimeoutError as NatsTimeout
 from rlbus.schemas import (
     CommitDecision,
     FinishWeightUpdate,
@@ -38,7 +39,7 @@ from rlbus.schemas import (
 )
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.controller.store import ReplyStore
-from rlbus.services.endpoints import StoredReply
+from rlbus.services.endpoints import ReplyCache, StoredReply
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
@@ -312,6 +313,40 @@ async def test_an_answer_slower_than_one_attempt_reaches_the_call_after_it_sent_
             assert len(sends) >= 2 and len(set(sends)) == 1, "every send of the call names one reply subject"
     finally:
         await responder.close()
+
+
+async def test_a_claim_sent_again_after_its_acknowledgement_was_lost_runs_the_command_once(nats_server, monkeypatch):
+    """A claim's write lands but its acknowledgement does not arrive in time (an event loop
+    stalled by a model's work times it out): the store sends it again, finds the id taken, and
+    must know the record for its own, not a dead run's: the command runs, once."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        replies = await ReplyStore.open(nc, "lostack_" + uuid.uuid4().hex[:8], ttl_s=60)
+        real = replies.store.kv.create
+        lost: list[int] = []
+
+        async def create_then_lose_the_ack(key, value, **kw):
+            revision = await real(key, value, **kw)
+            if not lost:
+                lost.append(revision)
+                raise NatsTimeout
+            return revision
+
+        monkeypatch.setattr(replies.store.kv, "create", create_then_lose_the_ack)
+        ran: list[str] = []
+
+        async def work() -> bytes:
+            ran.append("ran")
+            return b"ok"
+
+        cache = ReplyCache(durable=replies)
+        assert await cache.run("c1", "pause:x", work, durable=True) == b"ok"
+        await cache.settle("c1")
+        assert lost and ran == ["ran"]
+        assert await ReplyCache(durable=replies).run("c1", "pause:x", work, durable=True) == b"ok"  # a new process
+        assert ran == ["ran"], "run twice"
+    finally:
+        await nc.close()
 
 
 # ---- an answer is durable before it is sent (real controller processes, SIGKILL) ---------------
