@@ -22,7 +22,16 @@ import anyio
 import msgspec
 import nats
 import pytest
-from rlbus.schemas import CommitDecision, FleetAck, GenerateReply, GetServerInfo, KvKey, ServerInfo, Subjects
+from rlbus.schemas import (
+    CommitDecision,
+    FleetAck,
+    GenerateReply,
+    GetServerInfo,
+    KvKey,
+    ServerInfo,
+    Subjects,
+    VersionInfo,
+)
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -208,7 +217,10 @@ def _controller(url: str, prefix: str) -> subprocess.Popen:
     )
 
 
-async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_publishes_it_once(nats_server):
+@pytest.mark.parametrize("record", [KvKey.DECISION, KvKey.VERSION])
+async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_publishes_it_once(nats_server, record):
+    """Killed the moment its decision is in the store, or the decided version (which goes to the
+    store beside phase 2: the workers may not have committed yet, and rl.version has not said it)."""
     prefix = "d" + uuid.uuid4().hex[:8]
     subjects = Subjects(prefix=prefix)
     local = LocalFleet(nats_server.url)
@@ -225,17 +237,14 @@ async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_p
         await rl.push_weights(trained(51), new_version("before"))
         seq = (await rl.server_info()).weight_seq
         kv = await nc.jetstream().key_value(subjects.kv_bucket)
-        watch = await kv.watch(KvKey.DECISION, include_history=False)
+        watch = await kv.watch(record, include_history=False)
         killed = asyncio.Event()
+        kind = CommitDecision if record == KvKey.DECISION else VersionInfo
 
         async def kill_on_decision() -> None:
             async for entry in watch:
-                if (
-                    entry is not None
-                    and entry.value
-                    and msgspec.json.decode(entry.value, type=CommitDecision).seq > seq
-                ):
-                    controllers[0].send_signal(signal.SIGKILL)  # decided: no commit recorded, none published
+                if entry is not None and entry.value and msgspec.json.decode(entry.value, type=kind).seq > seq:
+                    controllers[0].send_signal(signal.SIGKILL)  # decided: its commit not recorded done, none published
                     killed.set()
                     return
 
