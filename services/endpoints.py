@@ -214,7 +214,7 @@ def fingerprint(op: str, data: bytes) -> str:
 class _Running:
     """A command running under its id: what it is, the Event a duplicate waits on (made by
     the first duplicate: most commands have none, and an Event costs more than the dedup), and
-    the error its claim ended in, which the duplicates that waited on it answer too."""
+    the refusal its gate or claim ended in, which the duplicates that waited on it answer too."""
 
     __slots__ = ("fingerprint", "done", "refused")
 
