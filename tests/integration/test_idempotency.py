@@ -18,6 +18,7 @@ import msgspec
 import nats
 import pytest
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NoKeysError
 from rlbus.schemas import (
     CommitDecision,
     FinishWeightUpdate,
@@ -92,7 +93,15 @@ async def test_a_reused_id_with_another_payload_is_refused_and_changes_nothing(f
 async def _writes(raw, prefix: str, key: str, after: int) -> int:
     """How many times `key` of the state bucket was written after stream revision `after`."""
     kv = await raw.jetstream().key_value(Subjects(prefix).kv_bucket)
-    return sum(1 for e in await kv.history(key) if (e.revision or 0) > after)
+
+    async def history() -> list | None:
+        try:
+            return await kv.history(key)
+        except NoKeysError:  # nats-py's watcher can mark its start done before the first entry is handled: read again
+            return None
+
+    entries = await eventually(history, timeout=5, what=f"{key}'s history (it has one: it was written)")
+    return sum(1 for e in entries if (e.revision or 0) > after)
 
 
 async def _revision(raw, prefix: str) -> int:
