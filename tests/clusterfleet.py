@@ -1,6 +1,6 @@
 """Helpers of the cluster tests (a real 3-node NATS cluster on loopback): an in-process fleet
 on the cluster, a subscriber on one node that records what it receives, a probe that a KV
-bucket takes writes again after its nodes came back, and one that its replicas are all current."""
+bucket takes writes again after its nodes came back, and a wait for every replica to be current."""
 
 from __future__ import annotations
 
@@ -96,27 +96,21 @@ async def takes_writes(nc, bucket: str) -> bool:
 
 
 async def streams_current(nc, subjects: Subjects) -> None:
-    """Wait until the state and answer buckets' streams have a leader and every replica current."""
-    await eventually(
-        lambda: replicas_current(nc, subjects.kv_bucket, subjects.replies_bucket),
-        timeout=30,
-        interval=0.1,
-        what="the state and answer streams' replicas all current",
-    )
-
-
-async def replicas_current(nc, *buckets: str) -> bool:
-    """Each KV bucket's stream has a leader and every replica is current. A node started again
-    (same store) is running long before its replicas have caught up: until then, losing another
-    node leaves a stream without quorum (a fresh-clone run saw the state stream leaderless for
-    over 30 s so). Wait on this before killing the next node."""
+    """Wait until the state and answer buckets' streams each have a leader and every replica is
+    current. A node started again (same store) is running long before its replicas have caught
+    up: until then, losing another node leaves a stream without quorum (a fresh-clone run saw the
+    state stream leaderless for over 30 s so). Wait on this before killing the next node."""
     js = nc.jetstream(timeout=1.0)
-    for bucket in buckets:
-        try:
-            info = await js.stream_info(f"KV_{bucket}")
-        except Exception:
-            return False
-        c = info.cluster
-        if c is None or c.leader is None or not all(r.current for r in c.replicas or []):
-            return False
-    return True
+
+    async def current() -> bool:
+        for stream in (subjects.kv_stream, f"KV_{subjects.replies_bucket}"):
+            try:
+                info = await js.stream_info(stream)
+            except Exception:
+                return False
+            c = info.cluster
+            if c is None or c.leader is None or not all(r.current for r in c.replicas or []):
+                return False
+        return True
+
+    await eventually(current, timeout=30, interval=0.1, what="the state and answer streams' replicas all current")

@@ -1,8 +1,8 @@
 """Quorum loss on a real 3-node NATS cluster (loopback): with 2 of the 3 nodes killed (SIGKILL),
 every state-changing call is UNAVAILABLE naming the state store's lost quorum (resent or not),
-nothing is
-dispatched, committed or published; once the two nodes return (same ports, same stores), the
-fleet recovers with its version intact, and the session left open finishes and commits once."""
+nothing is dispatched, committed or published; once the two nodes return (same ports, same
+stores), the fleet recovers with its version intact, and the session left open finishes and
+commits once."""
 
 from __future__ import annotations
 
