@@ -33,6 +33,13 @@ class Blackhole:
         for w in self._writers:
             w.close()
 
+    def cut(self) -> None:
+        """Close every link through the proxy now (a reset, as a node that died): its clients
+        see the link close and reconnect, through the proxy again."""
+        for w in self._writers:
+            w.close()
+        self._writers = []
+
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)

@@ -12,6 +12,7 @@ commit that loaded into an engine cannot be taken back, so the decision is the c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -52,7 +53,9 @@ from rlbus.schemas import (
     tensor_checksums_problem,
     version_problem,
 )
-from rlbus.services.endpoints import Routes
+from rlbus.services.endpoints import Routes, after_reply
+
+from rlbus.bus.confirmed import publish_confirmed
 
 from . import session as S
 from .fanout import Outcome
@@ -557,10 +560,17 @@ class Updates:
             raise err
         with anyio.CancelScope(shield=True):  # from the decision on, the commit completes (each worker is bounded)
             decision = await self._decide(committing, cmd, workers)
-            committed = await self.fleet.send(
-                stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq), workers
-            )
-            return await self._committed(decision, committed, cmd.trainer_id)
+            # the decided version is kept beside phase 2: the decision, durable before any worker
+            # commits, already makes it stand (a successor that finds it records it again)
+            keeping = asyncio.ensure_future(self._keep_version(decision.committed))
+            try:
+                committed = await self.fleet.send(
+                    stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq),
+                    workers,
+                )
+            finally:
+                kept = await _succeeded(keeping, "the decided version, kept beside the commit")
+            return await self._committed(decision, committed, cmd.trainer_id, kept=kept)
 
     async def _decide(self, committing: S.Committing, cmd: FinishWeightUpdate, workers: list[str]) -> CommitDecision:
         """Every worker prepared: write the decision to the state store, before any worker
@@ -612,26 +622,30 @@ class Updates:
         await self._settle(step.state)
         return decision
 
-    async def _committed(self, decision: CommitDecision, committed: Outcome, trainer_id: str | None) -> FleetAck:
+    async def _committed(
+        self, decision: CommitDecision, committed: Outcome, trainer_id: str | None, *, kept: bool
+    ) -> FleetAck:
         """Phase 2 answered: the decided commit stands whatever the workers said; record it (and
         free `trainer_id`'s push lease), and quarantine every worker that failed or missed it.
-        Runs shielded, under the lock."""
+        `kept`: the version is in the store already. Runs shielded, under the lock."""
         if committed.failures:
             await self._quarantine(decision, committed.failures)
-        await self._record(decision, lambda: self.leases.release(trainer_id, ahead=True))
+        await self._record(decision, lambda: self.leases.release(trainer_id, ahead=True), kept=kept)
         await self.review(committed.acks.values())  # workers it brought to the committed bits again
         return self.ack(committed)
 
-    async def _record(self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None) -> None:
-        """The decided version: in the store, then on rl.version, then the decision marked
-        done, the session closed and `closing` (the push lease freed). Those three go out ahead
-        of the finish's reply on the controller's one connection and are acknowledged after it
-        (endpoints.after_reply): the server has them before the trainer has the reply, and the
-        reply waits for no round trip of theirs. A successor finds a decision not marked done
-        (a write lost with the node that took it) and records it again; one outside a command
-        (a takeover) waits for them."""
+    async def _record(
+        self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None, *, kept: bool = False
+    ) -> None:
+        """The decided version: in the store (unless `kept` there already), then on rl.version,
+        then the decision marked done, the session closed and `closing` (the push lease freed).
+        Those three, and the rl.version event's confirmation, go out ahead of the finish's reply
+        on the controller's one connection and are acknowledged after it (endpoints.after_reply):
+        the server has them before the trainer has the reply, and the reply waits for no round
+        trip of theirs. A successor finds a decision not marked done (a write lost with the node
+        that took it) and records it again; one outside a command (a takeover) waits for them."""
         new = decision.committed
-        await self._commit_version(new)  # durable before KV forgets the session
+        await self._commit_version(new, kept=kept)  # durable before KV forgets the session
         self.state_lost = False
         self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
         await self.store.put_decision(self.decision, ahead=True)
@@ -658,13 +672,25 @@ class Updates:
                 "string (unique_versions); pick a new one"
             )
 
-    async def _commit_version(self, info: VersionInfo) -> None:
-        """Durable first (KV), then the event: a subscriber never sees a version KV lacks."""
+    async def _keep_version(self, info: VersionInfo) -> None:
+        """The committed version in the store (and, with unique_versions, the version string's
+        record), the two writes at once."""
         if self.unique_versions:
-            await self.store.put_committed(info.version, info.seq)
-        await self.store.put_version(info)
+            await together(self.store.put_committed(info.version, info.seq), self.store.put_version(info))
+        else:
+            await self.store.put_version(info)
+
+    async def _commit_version(self, info: VersionInfo, *, kept: bool = False) -> None:
+        """Durable first (KV; `kept`: written already), then the event: a subscriber never sees
+        a version KV lacks. The event is confirmed after the reply (bus/confirmed.py): one lost
+        with the link it went out on is published again on the next."""
+        if not kept:
+            await self._keep_version(info)
         self.version = info
-        await self.fleet.nc.publish(self.fleet.subjects.version, encode(info))
+        confirm = await publish_confirmed(
+            self.fleet.nc, self.fleet.subjects.version, encode(info), self.store.patience_s
+        )
+        await after_reply(confirm, "the rl.version event")
 
     async def abort_weight_update(self, cmd: AbortWeightUpdate) -> FleetAck:
         reason = cmd.reason or "aborted by the trainer"
@@ -741,3 +767,14 @@ class Updates:
 
 async def _nobody_withholds(workers: list[str]) -> None:
     return None
+
+
+async def _succeeded(write: asyncio.Future[None], what: str) -> bool:
+    """Whether a write run beside a fan-out went through; a failure is logged (the caller writes
+    it again in series, where a store without quorum refuses it for the command)."""
+    with anyio.CancelScope(shield=True):
+        outcome = (await asyncio.gather(write, return_exceptions=True))[0]
+    if isinstance(outcome, BaseException):
+        log.warning("%s failed beside the fan-out (%s); writing it again", what, outcome)
+        return False
+    return True
