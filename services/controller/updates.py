@@ -12,7 +12,6 @@ commit that loaded into an engine cannot be taken back, so the decision is the c
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -560,17 +559,13 @@ class Updates:
             raise err
         with anyio.CancelScope(shield=True):  # from the decision on, the commit completes (each worker is bounded)
             decision = await self._decide(committing, cmd, workers)
-            # the decided version is kept beside phase 2: the decision, durable before any worker
-            # commits, already makes it stand (a successor that finds it records it again)
-            keeping = asyncio.ensure_future(self._keep_version(decision.committed))
-            try:
-                committed = await self.fleet.send(
-                    stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq),
-                    workers,
-                )
-            finally:
-                kept = await _succeeded(keeping, "the decided version, kept beside the commit")
-            return await self._committed(decision, committed, cmd.trainer_id, kept=kept)
+            # the version is written after phase 2, not beside it: that write, acknowledged by the
+            # store's quorum, is what holds rl.version back while a node that died in phase 2 is
+            # still taking messages it will never pass on (tests/integration/test_cluster_soak.py)
+            committed = await self.fleet.send(
+                stamped(CommitWorker, session_id=sid, weight_version=decision.weight_version, seq=decision.seq), workers
+            )
+            return await self._committed(decision, committed, cmd.trainer_id)
 
     async def _decide(self, committing: S.Committing, cmd: FinishWeightUpdate, workers: list[str]) -> CommitDecision:
         """Every worker prepared: write the decision to the state store, before any worker
@@ -622,30 +617,26 @@ class Updates:
         await self._settle(step.state)
         return decision
 
-    async def _committed(
-        self, decision: CommitDecision, committed: Outcome, trainer_id: str | None, *, kept: bool
-    ) -> FleetAck:
+    async def _committed(self, decision: CommitDecision, committed: Outcome, trainer_id: str | None) -> FleetAck:
         """Phase 2 answered: the decided commit stands whatever the workers said; record it (and
         free `trainer_id`'s push lease), and quarantine every worker that failed or missed it.
-        `kept`: the version is in the store already. Runs shielded, under the lock."""
+        Runs shielded, under the lock."""
         if committed.failures:
             await self._quarantine(decision, committed.failures)
-        await self._record(decision, lambda: self.leases.release(trainer_id, ahead=True), kept=kept)
+        await self._record(decision, lambda: self.leases.release(trainer_id, ahead=True))
         await self.review(committed.acks.values())  # workers it brought to the committed bits again
         return self.ack(committed)
 
-    async def _record(
-        self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None, *, kept: bool = False
-    ) -> None:
-        """The decided version: in the store (unless `kept` there already), then on rl.version,
-        then the decision marked done, the session closed and `closing` (the push lease freed).
-        Those three, and the rl.version event's confirmation, go out ahead of the finish's reply
-        on the controller's one connection and are acknowledged after it (endpoints.after_reply):
-        the server has them before the trainer has the reply, and the reply waits for no round
-        trip of theirs. A successor finds a decision not marked done (a write lost with the node
-        that took it) and records it again; one outside a command (a takeover) waits for them."""
+    async def _record(self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The decided version: in the store, then on rl.version, then the decision marked
+        done, the session closed and `closing` (the push lease freed). Those three, and the
+        rl.version event's confirmation, go out ahead of the finish's reply on the controller's
+        one connection and are acknowledged after it (endpoints.after_reply): the server has
+        them before the trainer has the reply, and the reply waits for no round trip of theirs.
+        A successor finds a decision not marked done (a write lost with the node that took it)
+        and records it again; one outside a command (a takeover) waits for them."""
         new = decision.committed
-        await self._commit_version(new, kept=kept)  # durable before KV forgets the session
+        await self._commit_version(new)  # durable before KV forgets the session
         self.state_lost = False
         self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
         await self.store.put_decision(self.decision, ahead=True)
@@ -680,12 +671,11 @@ class Updates:
         else:
             await self.store.put_version(info)
 
-    async def _commit_version(self, info: VersionInfo, *, kept: bool = False) -> None:
-        """Durable first (KV; `kept`: written already), then the event: a subscriber never sees
-        a version KV lacks. The event is confirmed after the reply (bus/confirmed.py): one lost
-        with the link it went out on is published again on the next."""
-        if not kept:
-            await self._keep_version(info)
+    async def _commit_version(self, info: VersionInfo) -> None:
+        """Durable first (KV), then the event: a subscriber never sees a version KV lacks. The
+        event is confirmed after the reply (bus/confirmed.py): one lost with the link it went out
+        on is published again on the next."""
+        await self._keep_version(info)
         self.version = info
         confirm = await publish_confirmed(
             self.fleet.nc, self.fleet.subjects.version, encode(info), self.store.patience_s
@@ -767,14 +757,3 @@ class Updates:
 
 async def _nobody_withholds(workers: list[str]) -> None:
     return None
-
-
-async def _succeeded(write: asyncio.Future[None], what: str) -> bool:
-    """Whether a write run beside a fan-out went through; a failure is logged (the caller writes
-    it again in series, where a store without quorum refuses it for the command)."""
-    with anyio.CancelScope(shield=True):
-        outcome = (await asyncio.gather(write, return_exceptions=True))[0]
-    if isinstance(outcome, BaseException):
-        log.warning("%s failed beside the fan-out (%s); writing it again", what, outcome)
-        return False
-    return True

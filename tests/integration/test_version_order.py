@@ -61,31 +61,6 @@ async def test_update_weight_version_takes_the_next_sequence(fleet):
     assert (await rl.generate([1, 2], 2)).weight_seq == start + 1
 
 
-async def test_a_version_the_store_refused_beside_the_commit_is_written_again_before_it_is_published(
-    fleet, monkeypatch
-):
-    """A finish keeps the decided version beside phase 2; a store that refuses that write (a
-    leader moving) gets it again once phase 2 answered, and rl.version follows KV."""
-    f, rl = fleet
-    store = f.controller.updates.store
-    real, refused = store.put_version, []
-
-    async def refuse_the_first(info):
-        if not refused:
-            refused.append(info.version)
-            raise rlbus.Unavailable("the state store has no leader (injected)")
-        await real(info)
-
-    monkeypatch.setattr(store, "put_version", refuse_the_first)
-    start = (await rl.get_weight_version_info()).seq
-    async with VersionEvents(rl) as events:
-        await rl.push_weights(trained(30), "kept-again")
-        await events.wait_for(1)
-    assert refused == ["kept-again"], "the write beside phase 2 was refused"
-    assert [(e.version, e.seq) for e in events.seen] == [("kept-again", start + 1)]
-    assert (await _watched(rl, 1))[0].seq == start + 1, "KV holds the version that was published"
-
-
 async def test_a_draft_commit_orders_the_draft_without_moving_the_main_sequence(nats_server, prefix):
     async with fleet_running(
         nats_server.url,
