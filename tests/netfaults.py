@@ -30,8 +30,7 @@ class Blackhole:
     async def __aexit__(self, *exc: object) -> None:
         assert self._server is not None
         self._server.close()
-        for w in self._writers:
-            w.close()
+        self.cut()
 
     def cut(self) -> None:
         """Close every link through the proxy now (a reset, as a node that died): its clients

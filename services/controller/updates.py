@@ -663,19 +663,15 @@ class Updates:
                 "string (unique_versions); pick a new one"
             )
 
-    async def _keep_version(self, info: VersionInfo) -> None:
-        """The committed version in the store (and, with unique_versions, the version string's
-        record), the two writes at once."""
+    async def _commit_version(self, info: VersionInfo) -> None:
+        """Durable first (KV; with unique_versions the version string's record beside it), then
+        the event: a subscriber never sees a version KV lacks. The event is confirmed after the
+        reply (bus/confirmed.py): one lost with the link it went out on is published again on
+        the next."""
         if self.unique_versions:
             await together(self.store.put_committed(info.version, info.seq), self.store.put_version(info))
         else:
             await self.store.put_version(info)
-
-    async def _commit_version(self, info: VersionInfo) -> None:
-        """Durable first (KV), then the event: a subscriber never sees a version KV lacks. The
-        event is confirmed after the reply (bus/confirmed.py): one lost with the link it went out
-        on is published again on the next."""
-        await self._keep_version(info)
         self.version = info
         confirm = await publish_confirmed(
             self.fleet.nc, self.fleet.subjects.version, encode(info), self.store.patience_s
