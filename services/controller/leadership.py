@@ -3,6 +3,8 @@
 A second controller waits in standby until the lease lapses (the leader died or stopped),
 then takes it with a compare-and-set and a new, higher epoch. A leader that finds its lease
 taken (it was paused past the lease, say) steps down: workers would refuse its old epoch anyway.
+It believes a record that names another holder only above its own last acknowledged revision: after
+a partition heals, an old stream leader may answer first with the record it last had.
 Every state-changing command confirms the lease first (`confirm`): a leader cut off from the state
 store's quorum (a partition, nodes down) can renew nothing, so it acts on nothing, while a standby
 on the majority side takes the lapsed lease. A command whose own claim just reached the quorum
@@ -124,6 +126,7 @@ class Lease:
     async def _update_own(self) -> None:
         revision = self._revision
         deadline = time.monotonic() + self.store.patience_s
+        doubted_until: float | None = None  # stale answers are doubted for one patience
         while True:
             try:
                 self._revision = await self.store.update(KEY, self._record(), revision)
@@ -133,7 +136,24 @@ class Lease:
                     raise  # no quorum, NATS away: nothing says another controller holds it
                 held, revision = await self._read()
                 if held is None or held.controller_id != self.controller_id:
-                    raise LeaseLost(f"lease taken by {held.controller_id if held else 'nobody'}") from e
+                    if doubted_until is None:
+                        doubted_until = time.monotonic() + self.store.patience_s
+                    if revision > self._revision or time.monotonic() > doubted_until:
+                        raise LeaseLost(f"lease taken by {held.controller_id if held else 'nobody'}") from e
+                    # another holder at or below our own acknowledged write: a stale answer, not
+                    # the store's state. A stream leader cut off by a partition that has not yet
+                    # heard of its successor still answers, and the first answer wins: it refuses
+                    # our revision and returns the record it last had. Revisions only grow, so a
+                    # record that took the lease from us sits above ours. Past the patience the
+                    # store is believed (its bucket was recreated, revisions restarting)
+                    log.info(
+                        "lease renewal: a stale answer (%s at revision %d, ours %d); asking again",
+                        held.controller_id if held else "nobody",
+                        revision,
+                        self._revision,
+                    )
+                    revision = self._revision
+                    deadline = max(deadline, doubted_until)
             # still ours under another revision: a write retried after a timeout had landed, a
             # replica behind answered the read, the bucket was recreated with our record, or a
             # leader without quorum counts writes it cannot commit. Nobody else holds it: renew
