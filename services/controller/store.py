@@ -74,6 +74,10 @@ class StateStore:
         self.on_lost: Callable[[], Awaitable[None]] | None = None
         """Called once the bucket was recreated after a loss: write back the state."""
         self._recovering = False
+        self._writes = 0
+        self._latest: dict[str, int] = {}
+        """Per key, the number of the last put issued to it: a put sent again after its reply
+        (put_ahead) is dropped once a newer one was issued, so it never undoes it."""
 
     @classmethod
     async def open(
@@ -180,7 +184,13 @@ class StateStore:
 
         return await self._guard(f"read {key}", call)
 
+    def _issue(self, key: str) -> int:
+        self._writes += 1
+        self._latest[key] = self._writes
+        return self._writes
+
     async def put(self, key: str, value: bytes) -> int:
+        self._issue(key)
         return await self._guard(f"write {key}", lambda: self.kv.put(key, value))
 
     async def put_ahead(self, key: str, value: bytes) -> Callable[[], Awaitable[int]]:
@@ -188,7 +198,10 @@ class StateStore:
         connection, ahead of whatever this process sends after it (a reply): the server receives
         it first, so a process that dies after replying has not lost it. The call it returns
         waits for the store's acknowledgement; a first attempt that failed (no leader yet, the
-        bucket recreated) is sent again as put(), within the patience."""
+        bucket recreated) is sent again, within the patience, unless a newer put to the same key
+        was issued meanwhile (the next command's: sent again after it, this one would undo it;
+        0 is returned then)."""
+        issued = self._issue(key)
         try:
             # nats-py's KeyValue has no put that returns before its ack: its own subject and
             # JetStream context, as KeyValue.put uses them, with publish_async
@@ -205,7 +218,14 @@ class StateStore:
                 except Exception as e:
                     sent.cancel()  # a future never answered is dropped from the client's table
                     log.debug("put of %s sent ahead failed (%s): sending it again", key, e)
-            return await self.put(key, value)
+
+            async def again() -> int:
+                if self._latest.get(key) != issued:
+                    log.info("put of %s sent ahead not sent again: a newer put to it was issued since", key)
+                    return 0
+                return await self.kv.put(key, value)
+
+            return await self._guard(f"write {key}", again)
 
         return acked
 
