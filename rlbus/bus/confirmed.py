@@ -7,7 +7,11 @@ PING only after everything sent before it on the same link, so a PONG confirms t
 when the link was replaced before one came, the message is published again on the new link.
 At least once: a message the server took just before its link died, whose PONG was lost with
 it, goes out twice (subscribers that must not count twice compare the record it carries, as
-the version watcher does with a commit's seq)."""
+the version watcher does with a commit's seq).
+
+`ConfirmedInOrder` keeps the messages of one subject in order across a lost link: a message
+goes out once the one before it is confirmed (its confirmation joined, or run, if the caller
+has not awaited it yet), so one published again on the next link never lands after a later one."""
 
 from __future__ import annotations
 
@@ -63,3 +67,34 @@ async def publish_confirmed(nc: Client, subject: str, data: bytes, patience_s: f
         return False
 
     return confirmed
+
+
+def _once(confirm: Callable[[], Awaitable[bool]]) -> Callable[[], Awaitable[bool]]:
+    """`confirm`, run by its first caller; a later or concurrent one gets the same result."""
+    lock = anyio.Lock()
+    result: list[bool] = []
+
+    async def once() -> bool:
+        async with lock:
+            if not result:
+                result.append(await confirm())
+        return result[0]
+
+    return once
+
+
+class ConfirmedInOrder:
+    """Confirmed publishes on one subject, in order: each waits for the confirmation of the one
+    before it (at most the patience; in the usual case it already came, and this costs nothing)."""
+
+    def __init__(self, nc: Client, subject: str, patience_s: float) -> None:
+        self.nc, self.subject, self.patience_s = nc, subject, patience_s
+        self._last: Callable[[], Awaitable[bool]] | None = None
+
+    async def publish(self, data: bytes) -> Callable[[], Awaitable[bool]]:
+        """Publish after the previous message is confirmed; the call returned confirms this one
+        (see publish_confirmed), once however often it is called."""
+        if self._last is not None:
+            await self._last()
+        self._last = confirm = _once(await publish_confirmed(self.nc, self.subject, data, self.patience_s))
+        return confirm

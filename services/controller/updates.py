@@ -54,7 +54,7 @@ from rlbus.schemas import (
 )
 from rlbus.services.endpoints import Routes, after_reply
 
-from rlbus.bus.confirmed import publish_confirmed
+from rlbus.bus.confirmed import ConfirmedInOrder
 
 from . import session as S
 from .fanout import Outcome
@@ -96,6 +96,9 @@ class Updates:
         self.withhold: Callable[[list[str]], Awaitable[None]] = _nobody_withholds
         """Brings workers to the committed version (the service's SyncWorker): a worker that does not
         hold it stops serving generation."""
+        self._events = ConfirmedInOrder(fleet.nc, fleet.subjects.version, store.patience_s)
+        """rl.version events, in commit order: one published again on a new link (its first went
+        out into a link that died) still lands before the next commit's."""
 
     def routes(self, r: Routes) -> None:
         r.add(InitWeightTransfer, self.init_weight_transfer)
@@ -667,16 +670,13 @@ class Updates:
         """Durable first (KV; with unique_versions the version string's record beside it), then
         the event: a subscriber never sees a version KV lacks. The event is confirmed after the
         reply (bus/confirmed.py): one lost with the link it went out on is published again on
-        the next."""
+        the next, and the next commit's event waits for that."""
         if self.unique_versions:
             await together(self.store.put_committed(info.version, info.seq), self.store.put_version(info))
         else:
             await self.store.put_version(info)
         self.version = info
-        confirm = await publish_confirmed(
-            self.fleet.nc, self.fleet.subjects.version, encode(info), self.store.patience_s
-        )
-        await after_reply(confirm, "the rl.version event")
+        await after_reply(await self._events.publish(encode(info)), "the rl.version event")
 
     async def abort_weight_update(self, cmd: AbortWeightUpdate) -> FleetAck:
         reason = cmd.reason or "aborted by the trainer"

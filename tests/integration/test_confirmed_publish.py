@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import anyio
 
-from rlbus.bus.confirmed import publish_confirmed
+from rlbus.bus.confirmed import ConfirmedInOrder, publish_confirmed
 from rlbus.bus.connection import connect
 from tests.netfaults import Blackhole
+from tests.waiting import eventually
 
 SUBJECT = "confirmed.test.version"
 
@@ -69,3 +70,32 @@ async def test_a_message_the_server_never_confirms_is_reported_within_the_patien
         finally:
             hole.holed = False
             await publisher.close()
+
+
+async def test_a_message_published_again_on_the_next_link_still_arrives_before_the_one_after_it(nats_server):
+    """The first message's confirmation runs after a reply (a finish's rl.version event). The
+    next commit's event must not overtake it when the first went out into a link that died:
+    the next publish waits for (or runs) the confirmation before it, so the republished first
+    one arrives first."""
+    listener, got, until = await _listening(nats_server)
+    async with Blackhole(nats_server.port) as hole:
+        publisher = await connect(hole.url, name="publisher")
+        events = ConfirmedInOrder(publisher, SUBJECT, patience_s=30)
+        try:
+            hole.holed = True
+            first = await events.publish(b"v1")  # swallowed; its confirmation not yet run
+            reconnects = publisher.stats["reconnects"]
+            hole.cut()
+            hole.holed = False
+            await eventually(
+                lambda: publisher.stats["reconnects"] > reconnects and publisher.is_connected,
+                timeout=30,
+                what="the publisher on its next link",
+            )
+            with anyio.fail_after(30):
+                second = await events.publish(b"v2")
+                assert await second() and await first()
+            assert await until(2) == [b"v1", b"v2"], "in order, each once"
+        finally:
+            await publisher.close()
+            await listener.close()
