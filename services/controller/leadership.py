@@ -136,9 +136,7 @@ class Lease:
                     raise  # no quorum, NATS away: nothing says another controller holds it
                 held, revision = await self._read()
                 if held is None or held.controller_id != self.controller_id:
-                    if doubted_until is None:
-                        doubted_until = time.monotonic() + self.store.patience_s
-                    if revision > self._revision or time.monotonic() > doubted_until:
+                    if revision > self._revision or (doubted_until is not None and time.monotonic() > doubted_until):
                         raise LeaseLost(f"lease taken by {held.controller_id if held else 'nobody'}") from e
                     # another holder at or below our own acknowledged write: a stale answer, not
                     # the store's state. A stream leader cut off by a partition that has not yet
@@ -146,12 +144,14 @@ class Lease:
                     # our revision and returns the record it last had. Revisions only grow, so a
                     # record that took the lease from us sits above ours. Past the patience the
                     # store is believed (its bucket was recreated, revisions restarting)
-                    log.info(
-                        "lease renewal: a stale answer (%s at revision %d, ours %d); asking again",
-                        held.controller_id if held else "nobody",
-                        revision,
-                        self._revision,
-                    )
+                    if doubted_until is None:
+                        doubted_until = time.monotonic() + self.store.patience_s
+                        log.info(
+                            "lease renewal: a stale answer (%s at revision %d, ours %d); asking again",
+                            held.controller_id if held else "nobody",
+                            revision,
+                            self._revision,
+                        )
                     revision = self._revision
                     deadline = max(deadline, doubted_until)
             # still ours under another revision: a write retried after a timeout had landed, a
