@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 from nats.aio.client import Client
 
+from .once import once
+
 log = logging.getLogger("rlbus.bus.confirmed")
 
 CONFIRM_S = 1.0
@@ -69,20 +71,6 @@ async def publish_confirmed(nc: Client, subject: str, data: bytes, patience_s: f
     return confirmed
 
 
-def _once(confirm: Callable[[], Awaitable[bool]]) -> Callable[[], Awaitable[bool]]:
-    """`confirm`, run by its first caller; a later or concurrent one gets the same result."""
-    lock = anyio.Lock()
-    result: list[bool] = []
-
-    async def once() -> bool:
-        async with lock:
-            if not result:
-                result.append(await confirm())
-        return result[0]
-
-    return once
-
-
 class ConfirmedInOrder:
     """Confirmed publishes on one subject, in order: each waits for the confirmation of the one
     before it (at most the patience; in the usual case it already came, and this costs nothing)."""
@@ -96,5 +84,5 @@ class ConfirmedInOrder:
         (see publish_confirmed), once however often it is called."""
         if self._last is not None:
             await self._last()
-        self._last = confirm = _once(await publish_confirmed(self.nc, self.subject, data, self.patience_s))
+        self._last = confirm = once(await publish_confirmed(self.nc, self.subject, data, self.patience_s))
         return confirm

@@ -189,6 +189,20 @@ class StateStore:
         self._latest[key] = self._writes
         return self._writes
 
+    def _unless_superseded(self, key: str, value: bytes, issued: int) -> Callable[[], Awaitable[int]]:
+        """A put of `value` (guarded), skipped (0) once a newer put to `key` than `issued` was issued."""
+
+        async def attempt() -> int:
+            if self._latest.get(key) != issued:
+                log.info("put of %s not sent: a newer put to it was issued since", key)
+                return 0
+            return await self.kv.put(key, value)
+
+        return lambda: self._guard(f"write {key}", attempt)
+
+    def _later(self, key: str, value: bytes) -> Callable[[], Awaitable[int]]:
+        return self._unless_superseded(key, value, self._issue(key))
+
     async def put(self, key: str, value: bytes) -> int:
         self._issue(key)
         return await self._guard(f"write {key}", lambda: self.kv.put(key, value))
@@ -218,14 +232,7 @@ class StateStore:
                 except Exception as e:
                     sent.cancel()  # a future never answered is dropped from the client's table
                     log.debug("put of %s sent ahead failed (%s): sending it again", key, e)
-
-            async def again() -> int:
-                if self._latest.get(key) != issued:
-                    log.info("put of %s sent ahead not sent again: a newer put to it was issued since", key)
-                    return 0
-                return await self.kv.put(key, value)
-
-            return await self._guard(f"write {key}", again)
+            return await self._unless_superseded(key, value, issued)()
 
         return acked
 
@@ -274,6 +281,24 @@ class StateStore:
 
     async def put_version(self, info: VersionInfo) -> None:
         await self.put(KvKey.VERSION, encode(info))
+
+    async def version_ahead(self, info: VersionInfo, *, unique: bool = False) -> Callable[[], Awaitable[None]]:
+        """The version (and with `unique` its string's record) sent now, ahead of a reply; the
+        call returned waits for the store to acknowledge both (see put_ahead)."""
+        writes = [await self.put_ahead(KvKey.VERSION, encode(info))]
+        if unique:
+            writes.append(await self.put_ahead(_committed_key(info.version), str(info.seq).encode()))
+
+        async def acked() -> None:
+            for write in writes:
+                await write()
+
+        return acked
+
+    def decision_later(self, decision: CommitDecision) -> Callable[[], Awaitable[int]]:
+        """The decision, to be written when the call returned is made: a put issued now (a
+        newer put to the key, issued before that call, wins: the call then writes nothing)."""
+        return self._later(KvKey.DECISION, encode(decision))
 
     async def committed_seq(self, version: str) -> int | None:
         """The sequence a version string was committed with, if it ever was (unique_versions)."""

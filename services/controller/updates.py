@@ -55,6 +55,7 @@ from rlbus.schemas import (
 from rlbus.services.endpoints import Routes, after_reply
 
 from rlbus.bus.confirmed import ConfirmedInOrder
+from rlbus.bus.once import once
 
 from . import session as S
 from .fanout import Outcome
@@ -99,6 +100,10 @@ class Updates:
         self._events = ConfirmedInOrder(fleet.nc, fleet.subjects.version, store.patience_s)
         """rl.version events, in commit order: one published again on a new link (its first went
         out into a link that died) still lands before the next commit's."""
+        self._recording: Callable[[], Awaitable[None]] | None = None
+        """The last commit's record, finished after its reply (`_commit_version`): the version's
+        write acknowledged, its rl.version event confirmed, its decision marked done. The next
+        commit runs it again first if it failed."""
 
     def routes(self, r: Routes) -> None:
         r.add(InitWeightTransfer, self.init_weight_transfer)
@@ -612,6 +617,7 @@ class Updates:
         )
         step = self._advance(S.Decide(seq))
         try:
+            await self._recorded()  # the last commit durable and said before this one is decided
             await self.store.put_decision(decision)
         except Exception as e:
             await self._apply(S.Failed(reason=str(e)), f"the commit decision could not be kept: {e}")
@@ -631,18 +637,19 @@ class Updates:
         return self.ack(committed)
 
     async def _record(self, decision: CommitDecision, closing: Callable[[], Awaitable[None]] | None = None) -> None:
-        """The decided version: in the store, then on rl.version, then the decision marked
-        done, the session closed and `closing` (the push lease freed). Those three, and the
-        rl.version event's confirmation, go out ahead of the finish's reply on the controller's
-        one connection and are acknowledged after it (endpoints.after_reply): the server has
-        them before the trainer has the reply, and the reply waits for no round trip of theirs.
-        A successor finds a decision not marked done (a write lost with the node that took it)
-        and records it again; one outside a command (a takeover) waits for them."""
+        """The decided version recorded: its write, the session closed and `closing` (the push
+        lease freed) go out ahead of the finish's reply on the controller's one connection and
+        are acknowledged after it (endpoints.after_reply): the server has them before the
+        trainer has the reply, and the reply waits for no round trip of theirs. After the
+        version's acknowledgement, rl.version says it, then the decision is marked done
+        (`_commit_version`). A successor finds a decision not marked done (the controller died
+        first, or a write was lost with the node that took it) and records it again; one outside
+        a command (a takeover) waits for all of it."""
         new = decision.committed
-        await self._commit_version(new)  # durable before KV forgets the session
+        self.decision = done = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
+        mark_done = self.store.decision_later(done)
+        await self._commit_version(new, then=mark_done)  # durable before KV forgets the session
         self.state_lost = False
-        self.decision = msgspec.structs.replace(decision, published=True, quarantined=sorted(self.quarantined))
-        await self.store.put_decision(self.decision, ahead=True)
         if isinstance(self.session, S.Decided) and self.session.session_id == decision.session_id:
             await self._settle(self._advance(S.CommitDone()).state, ahead=True)
         if closing is not None:
@@ -666,17 +673,43 @@ class Updates:
                 "string (unique_versions); pick a new one"
             )
 
-    async def _commit_version(self, info: VersionInfo) -> None:
-        """Durable first (KV; with unique_versions the version string's record beside it), then
-        the event: a subscriber never sees a version KV lacks. The event is confirmed after the
-        reply (bus/confirmed.py): one lost with the link it went out on is published again on
-        the next, and the next commit's event waits for that."""
-        if self.unique_versions:
-            await together(self.store.put_committed(info.version, info.seq), self.store.put_version(info))
+    async def _recorded(self) -> None:
+        """The last commit's record is finished: awaited (or run again, if it failed) before
+        another version is decided or set. Raises UNAVAILABLE while the store still refuses it."""
+        if self._recording is not None:
+            await self._recording()
+
+    async def _commit_version(self, info: VersionInfo, then: Callable[[], Awaitable[object]] | None = None) -> None:
+        """The version's write (with unique_versions the version string's record beside it)
+        goes out ahead of the reply; after the reply, once the store's quorum acknowledged it,
+        the event (a subscriber never sees a version KV lacks: a node that died in phase 2
+        holds the write back until the controller is on a survivor), confirmed (bus/confirmed.py:
+        one lost with its link is published again on the next), then `then` (the decision
+        marked done: a successor that finds it not done records and publishes the version again).
+        A commit answered before its version is durable still stands: its decision was durable
+        before any worker committed. Without `then` (a version set with no decision behind it)
+        the write is acknowledged and the event published before the reply, as nothing else
+        would say it after a crash. The next commit waits for all of it (`_recorded`)."""
+        await self._recorded()
+        durable = await self.store.version_ahead(info, unique=self.unique_versions)
+        if then is None:  # no decision a successor could record it from: durable and said before the reply
+            await durable()
+            self.version = info
+            confirm = await self._events.publish(encode(info))
+
+            async def record() -> None:
+                await confirm()
+
         else:
-            await self.store.put_version(info)
-        self.version = info
-        await after_reply(await self._events.publish(encode(info)), "the rl.version event")
+            self.version = info
+
+            async def record() -> None:
+                await durable()
+                await (await self._events.publish(encode(info)))()
+                await then()
+
+        self._recording = once(record)
+        await after_reply(self._recording, "the committed version's record")
 
     async def abort_weight_update(self, cmd: AbortWeightUpdate) -> FleetAck:
         reason = cmd.reason or "aborted by the trainer"
@@ -705,6 +738,7 @@ class Updates:
                 )
             self.leases.refuse_others(cmd.trainer_id, "update_weight_version")
             self._advance(S.VersionSet())
+            await self._recorded()  # the last commit durable and said before a version is set
             await self._refuse_a_used_version(cmd.new_version)
             workers = self.fleet.ids()
             seq = self.version.seq + 1

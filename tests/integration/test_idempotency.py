@@ -232,13 +232,21 @@ async def test_a_call_gives_up_with_unavailable_once_its_retry_window_passes(nat
 
 
 async def test_a_finishs_closing_writes_reach_nats_before_its_reply_does(fleet, raw, prefix, nats_server):
-    """The decision marked done, the session's record closed and the push lease freed are not
-    awaited before the finish's reply (their acknowledgements come after it), but they leave
-    ahead of it on the controller's one connection, and the store holds them."""
+    """The committed version's write, the session's record closed and the push lease freed are
+    not awaited before the finish's reply (their acknowledgements come after it), but they leave
+    ahead of it on the controller's one connection, and the store holds them. After the reply,
+    once the version is acknowledged: rl.version says it, then the decision is marked done (a
+    successor that finds it not done records the version again)."""
     f, rl = fleet
     subjects = Subjects(prefix)
     state = f"$KV.{subjects.kv_bucket}."
-    closing = {state + KvKey.DECISION: "decision", state + KvKey.SESSION: "session", state + KvKey.PUSH_LEASE: "lease"}
+    closing = {
+        state + KvKey.DECISION: "decision",
+        state + KvKey.VERSION: "version",
+        state + KvKey.SESSION: "session",
+        state + KvKey.PUSH_LEASE: "lease",
+        subjects.version: "event",
+    }
     inbox = raw.new_inbox()
     seen: list[tuple[str, bytes]] = []
     replied = anyio.Event()
@@ -265,13 +273,23 @@ async def test_a_finishs_closing_writes_reach_nats_before_its_reply_does(fleet, 
         await raw.publish(subjects.control("finish_weight_update"), encode(finish), reply=inbox)
         with anyio.fail_after(10):
             await replied.wait()
-        ack = reply_decoder.decode(seen[-1][1])
+        at = [what for what, _ in seen].index("reply")
+        ack = reply_decoder.decode(seen[at][1])
         assert isinstance(ack, FleetAck) and ack.weight_version == version, ack
-        before = [what for what, _ in seen[:-1]]
-        assert before[0] == "decision" and before.count("decision") == 2, f"the decision, then done: {before}"
-        assert {"session", "lease"} <= set(before), f"the closing writes must reach NATS before the reply: {before}"
+        before = [what for what, _ in seen[:at]]
+        assert before[0] == "decision" and before.count("decision") == 1, f"the decision, before phase 2: {before}"
+        assert {"version", "session", "lease"} <= set(before), (
+            f"the closing writes must reach NATS before the reply: {before}"
+        )
+        await eventually(
+            lambda: [w for w, _ in seen].count("decision") == 2, timeout=5, what="the decision marked done"
+        )
+        order = [what for what, _ in seen]
+        assert order.index("version") < order.index("event") < len(order) - 1 - order[::-1].index("decision"), (
+            f"the version written, then said on rl.version, then the decision marked done: {order}"
+        )
         done = msgspec.json.decode([data for what, data in seen if what == "decision"][-1], type=CommitDecision)
-        assert done.published and done.weight_version == version, "the decision sent ahead is not the one marked done"
+        assert done.published and done.weight_version == version, "the decision marked done is not this commit's"
         kv = await raw.jetstream().key_value(subjects.kv_bucket)
 
         async def closed() -> bool:
