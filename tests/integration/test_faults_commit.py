@@ -219,8 +219,9 @@ def _controller(url: str, prefix: str) -> subprocess.Popen:
 
 @pytest.mark.parametrize("record", [KvKey.DECISION, KvKey.VERSION])
 async def test_a_controller_killed_after_its_decision_is_succeeded_by_one_that_publishes_it_once(nats_server, record):
-    """Killed the moment its decision is in the store, or the decided version (which goes to the
-    store beside phase 2: the workers may not have committed yet, and rl.version has not said it)."""
+    """Killed the moment its decision is in the store, or the decided version (written after
+    phase 2, ahead of the reply: rl.version has not said it yet, and the decision is not marked
+    done until it has)."""
     prefix = "d" + uuid.uuid4().hex[:8]
     subjects = Subjects(prefix=prefix)
     local = LocalFleet(nats_server.url)
