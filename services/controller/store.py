@@ -200,22 +200,23 @@ class StateStore:
 
         return lambda: self._guard(f"write {key}", attempt)
 
-    def _later(self, key: str, value: bytes) -> Callable[[], Awaitable[int]]:
-        return self._unless_superseded(key, value, self._issue(key))
-
     async def put(self, key: str, value: bytes) -> int:
         self._issue(key)
         return await self._guard(f"write {key}", lambda: self.kv.put(key, value))
 
-    async def put_ahead(self, key: str, value: bytes) -> Callable[[], Awaitable[int]]:
+    async def put_ahead(self, key: str, value: bytes, *, issued: int | None = None) -> Callable[[], Awaitable[int]]:
         """A put sent now and acknowledged later. When this returns the write is on the
         connection, ahead of whatever this process sends after it (a reply): the server receives
         it first, so a process that dies after replying has not lost it. The call it returns
         waits for the store's acknowledgement; a first attempt that failed (no leader yet, the
         bucket recreated) is sent again, within the patience, unless a newer put to the same key
         was issued meanwhile (the next command's: sent again after it, this one would undo it;
-        0 is returned then)."""
-        issued = self._issue(key)
+        0 is returned then). `issued`: the put's number, taken earlier (`_later`): nothing is
+        sent when a newer put was issued since."""
+        if issued is None:
+            issued = self._issue(key)
+        elif self._latest.get(key) != issued:
+            return self._unless_superseded(key, value, issued)  # superseded: sends nothing, returns 0
         try:
             # nats-py's KeyValue has no put that returns before its ack: its own subject and
             # JetStream context, as KeyValue.put uses them, with publish_async
@@ -295,10 +296,11 @@ class StateStore:
 
         return acked
 
-    def decision_later(self, decision: CommitDecision) -> Callable[[], Awaitable[int]]:
-        """The decision, to be written when the call returned is made: a put issued now (a
-        newer put to the key, issued before that call, wins: the call then writes nothing)."""
-        return self._later(KvKey.DECISION, encode(decision))
+    def decision_later(self, decision: CommitDecision) -> Callable[[], Awaitable[Callable[[], Awaitable[int]]]]:
+        """The decision, sent ahead (put_ahead) when the call returned is made: a put issued now,
+        so a newer put to the key, issued before that call, wins (the call then sends nothing)."""
+        key, value, issued = KvKey.DECISION, encode(decision), self._issue(KvKey.DECISION)
+        return lambda: self.put_ahead(key, value, issued=issued)
 
     async def committed_seq(self, version: str) -> int | None:
         """The sequence a version string was committed with, if it ever was (unique_versions)."""

@@ -679,13 +679,16 @@ class Updates:
         if self._recording is not None:
             await self._recording()
 
-    async def _commit_version(self, info: VersionInfo, then: Callable[[], Awaitable[object]] | None = None) -> None:
+    async def _commit_version(
+        self, info: VersionInfo, then: Callable[[], Awaitable[Callable[[], Awaitable[object]]]] | None = None
+    ) -> None:
         """The version's write (with unique_versions the version string's record beside it)
         goes out ahead of the reply; after the reply, once the store's quorum acknowledged it,
         the event (a subscriber never sees a version KV lacks: a node that died in phase 2
-        holds the write back until the controller is on a survivor), confirmed (bus/confirmed.py:
-        one lost with its link is published again on the next), then `then` (the decision
-        marked done: a successor that finds it not done records and publishes the version again).
+        holds the write back until the controller is on a survivor), with `then` sent right
+        behind it (the decision marked done: a successor that finds it not done records and
+        publishes the version again), then the event confirmed (bus/confirmed.py: one lost with
+        its link is published again on the next) and `then` acknowledged.
         A commit answered before its version is durable still stands: its decision was durable
         before any worker committed. Without `then` (a version set with no decision behind it)
         the write is acknowledged and the event published before the reply, as nothing else
@@ -705,8 +708,10 @@ class Updates:
 
             async def record() -> None:
                 await durable()
-                await (await self._events.publish(encode(info)))()
-                await then()
+                confirm = await self._events.publish(encode(info))
+                marked = await then()  # right behind the event on the connection: said once
+                await confirm()
+                await marked()
 
         self._recording = once(record)
         await after_reply(self._recording, "the committed version's record")
