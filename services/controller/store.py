@@ -211,7 +211,7 @@ class StateStore:
         waits for the store's acknowledgement; a first attempt that failed (no leader yet, the
         bucket recreated) is sent again, within the patience, unless a newer put to the same key
         was issued meanwhile (the next command's: sent again after it, this one would undo it;
-        0 is returned then). `issued`: the put's number, taken earlier (`_later`): nothing is
+        0 is returned then). `issued`: the put's number, taken earlier (`decision_later`): nothing is
         sent when a newer put was issued since."""
         if issued is None:
             issued = self._issue(key)
@@ -226,12 +226,14 @@ class StateStore:
             sent = None
 
         async def acked() -> int:
+            nonlocal sent
             if sent is not None:
                 try:
                     with anyio.fail_after(self.patience_s):
                         return (await sent).seq or 0
                 except Exception as e:
                     sent.cancel()  # a future never answered is dropped from the client's table
+                    sent = None  # awaited again (a record run again), it goes straight to the retry
                     log.debug("put of %s sent ahead failed (%s): sending it again", key, e)
             return await self._unless_superseded(key, value, issued)()
 

@@ -55,3 +55,4 @@ async def test_a_write_refused_ahead_of_a_reply_is_sent_again(store):
     assert await old() > 0
     value, _ = await store.get("decision")
     assert value == b"d1"
+    assert await old() > 0, "awaited again (a record run again after a failure), it writes again"
