@@ -309,9 +309,6 @@ class StateStore:
         raw, _ = await self.get(_committed_key(version))
         return int(raw) if raw else None
 
-    async def put_committed(self, version: str, seq: int) -> None:
-        await self.put(_committed_key(version), str(seq).encode())
-
     async def desired(self) -> FleetState:
         raw, _ = await self.get(KvKey.DESIRED)
         return _desired.decode(raw) if raw else FleetState()

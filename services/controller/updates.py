@@ -99,7 +99,9 @@ class Updates:
         hold it stops serving generation."""
         self._events = ConfirmedInOrder(fleet.nc, fleet.subjects.version, store.patience_s)
         """rl.version events, in commit order: one published again on a new link (its first went
-        out into a link that died) still lands before the next commit's."""
+        out into a link that died) still lands before the next commit's. (`_recorded` already
+        waits for the last confirmation before the next publish; this keeps the order a property
+        of the publisher, tested on its own in tests/integration/test_confirmed_publish.py.)"""
         self._recording: Callable[[], Awaitable[None]] | None = None
         """The last commit's record, finished after its reply (`_commit_version`): the version's
         write acknowledged, its rl.version event confirmed, its decision marked done. The next
