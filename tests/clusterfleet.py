@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import msgspec
 import nats
+from nats.js.api import KeyValueConfig, StorageType
 from rlbus.schemas import Subjects, VersionInfo
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
@@ -93,6 +94,27 @@ async def takes_writes(nc, bucket: str) -> bool:
     except Exception:
         return False
     return True
+
+
+async def jetstream_formed(url: str, timeout: float = 60.0) -> None:
+    """Wait until a 3-replica bucket can be created through the node at `url`. A fresh cluster
+    elects its JetStream meta leader seconds after start, and then may refuse to place replicas
+    ("no suitable peers for placement") while the routes settle; behind proxies and on a loaded
+    machine that once outlasted a controller's 30 s start. Tests about faults wait for it first."""
+    nc = await nats.connect(url)
+    js = nc.jetstream(timeout=2.0)
+
+    async def placed() -> bool:
+        try:
+            await js.create_key_value(KeyValueConfig(bucket="formed", replicas=3, storage=StorageType.FILE))
+        except Exception:
+            return False
+        return True
+
+    try:
+        await eventually(placed, timeout=timeout, interval=0.25, what=f"a 3-replica bucket created through {url}")
+    finally:
+        await nc.close()
 
 
 async def streams_current(nc, subjects: Subjects) -> None:

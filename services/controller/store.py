@@ -365,6 +365,10 @@ async def _open_bucket(nc: Client, config: KeyValueConfig, patience_s: float = O
     leader, a few seconds after start) the calls fail; they are retried for `patience_s`."""
     js = nc.jetstream()
     deadline = time.monotonic() + patience_s
+    refused: BadRequestError | None = None
+    """The server's last refusal of the create: right after a cluster elects its meta leader it
+    may answer "no suitable peers for placement, peer offline" (a 400) for a while."""
+    said = ""
     while True:
         try:
             try:
@@ -372,12 +376,18 @@ async def _open_bucket(nc: Client, config: KeyValueConfig, patience_s: float = O
             except BucketNotFoundError:
                 try:
                     return await js.create_key_value(config)
-                except BadRequestError:  # created meanwhile by another controller
-                    return await js.key_value(config.bucket)
+                except BadRequestError as e:
+                    refused = e
+                    return await js.key_value(config.bucket)  # created meanwhile by another controller
         except (ServiceUnavailableError, NatsTimeout, NoRespondersError, APIError) as e:
+            why = refused if isinstance(e, BucketNotFoundError) and refused is not None else e
             if time.monotonic() > deadline or isinstance(e, BadRequestError):
-                raise
-            log.info("JetStream is not ready (%s); retrying", e)
+                if why is e:
+                    raise
+                raise why from None  # the bucket is missing because the server refused to create it: say why
+            if str(why) != said:  # each new answer once, not every quarter second
+                said = str(why)
+                log.warning("JetStream cannot open bucket %s yet (%s); retrying", config.bucket, why)
             await anyio.sleep(0.25)  # back-off between retries, not a wait for a condition
 
 

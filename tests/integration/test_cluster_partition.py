@@ -26,7 +26,7 @@ from rlbus.bus.connection import connect, drain
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsCluster
 from rlbus.sdk.client import RLClient
-from tests.clusterfleet import Published, takes_writes
+from tests.clusterfleet import Published, jetstream_formed, takes_writes
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
 from tests.weights_helpers import MODEL, new_version, trained
@@ -60,6 +60,7 @@ async def net() -> AsyncIterator[Partitionable]:
                     proxies[(i, j)] = await Blackhole(cluster.route_port(j)).__aenter__()
         cluster.route_through(lambda i, j: proxies[(i, j)].url)
         cluster.start()
+        await jetstream_formed(cluster.nodes[0].url)  # the leader's node: it creates the buckets
         yield Partitionable(cluster, proxies)
     finally:
         cluster.stop()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BadRequestError
+from rlbus.schemas import FinishWeightUpdate, FleetAck, StartWeightUpdate, Subjects
+from rlbus.services.controller.store import _open_bucket
 
 import rlbus
 from rlbus.runners.natsserver import NatsCluster
@@ -136,3 +139,20 @@ async def test_without_quorum_nothing_changes_and_the_fleet_recovers_with_its_ve
     for wid in WORKERS:
         assert_holds(f, wid, named)
     assert [e.version for e in events.seen] == [v2]
+
+
+async def test_a_bucket_the_cluster_cannot_place_fails_with_the_servers_refusal(fleet, prefix):
+    """A create the cluster refuses to place ("no suitable peers for placement": here 5 replicas
+    asked of 3 nodes; also what a just-elected meta leader answers for a while) is retried for
+    the patience, then reported in the server's words, not as the bucket missing that followed it
+    (a fresh cluster behind proxies once failed a controller's start with a bare
+    BucketNotFoundError after 30 s)."""
+    f, _ = fleet
+    assert f.controller is not None
+    nc = f.controller.nc
+    await eventually(
+        lambda: takes_writes(nc, Subjects(prefix=prefix).kv_bucket), timeout=30, what="the cluster takes writes"
+    )
+    config = KeyValueConfig(bucket=f"{prefix}_unplaceable", replicas=5, storage=StorageType.FILE)
+    with pytest.raises(BadRequestError, match="no suitable peers for placement"):
+        await _open_bucket(nc, config, patience_s=0.5)
