@@ -136,6 +136,8 @@ class ControllerService:
         self.metrics_server: MetricsServer | None = None
         """Serving /metrics (when options.metrics_port is set); its `port` is the bound one."""
         self._dropping_lease = False
+        self._recording_again = False
+        """A run of the last commit's failed record is under way (`_record_again`)."""
 
     @property
     def registry(self) -> Registry:
@@ -360,6 +362,21 @@ class ControllerService:
             if self.updates.leases.lapsed() is not None and not self._dropping_lease:
                 self._dropping_lease = True
                 self._tg.start_soon(self._drop_lapsed_lease)
+            if self.updates.unrecorded and not self._recording_again:
+                self._recording_again = True
+                self._tg.start_soon(self._record_again)
+
+    async def _record_again(self) -> None:
+        """The last commit was answered but the store refused its record for a whole patience:
+        run it again (its version's write, its rl.version event, its decision marked done), so
+        subscribers hear of the commit once the store takes writes, not at the next commit."""
+        try:
+            await self.updates.record_again()
+            log.info("the last commit's record was kept in the state store and its version said")
+        except Exception as e:
+            log.warning("the last commit's record is still not kept in the state store: %s", e)
+        finally:
+            self._recording_again = False
 
     async def _drop_lapsed_lease(self) -> None:
         try:

@@ -106,6 +106,10 @@ class Updates:
         """The last commit's record, finished after its reply (`_commit_version`): the version's
         write acknowledged, its rl.version event confirmed, its decision marked done. The next
         commit runs it again first if it failed."""
+        self.unrecorded = False
+        """The last commit's record failed after its reply (the store refused it for its whole
+        patience). The controller's sweep runs it again (`record_again`) until it lands, so its
+        rl.version event does not wait for the next commit to say it."""
 
     def routes(self, r: Routes) -> None:
         r.add(InitWeightTransfer, self.init_weight_transfer)
@@ -680,6 +684,19 @@ class Updates:
         another version is decided or set. Raises UNAVAILABLE while the store still refuses it."""
         if self._recording is not None:
             await self._recording()
+        self.unrecorded = False
+
+    async def record_again(self) -> None:
+        """The last commit's record, run again after it failed (the sweep, while `unrecorded`).
+        Raises UNAVAILABLE while the store still refuses it."""
+        await self._recorded()
+
+    async def _record_after_reply(self) -> None:
+        try:
+            await self._recorded()
+        except Exception:
+            self.unrecorded = True
+            raise
 
     async def _commit_version(
         self, info: VersionInfo, then: Callable[[], Awaitable[Callable[[], Awaitable[object]]]] | None = None
@@ -716,7 +733,7 @@ class Updates:
                 await marked()
 
         self._recording = once(record)
-        await after_reply(self._recording, "the committed version's record")
+        await after_reply(self._record_after_reply, "the committed version's record")
 
     async def abort_weight_update(self, cmd: AbortWeightUpdate) -> FleetAck:
         reason = cmd.reason or "aborted by the trainer"
