@@ -267,10 +267,14 @@ def main() -> None:
     for r, res in rows:
         for lr, m in res.items():
             ph = m["phases"]
-            busy = (ph[4] + ph[5]) / (sum(ph[:3]) * (os.cpu_count() or 1))
+            cores = os.cpu_count() or 1
+            busy = (ph[4] + ph[5]) / (sum(ph[:3]) * cores)
+            # the same CPU work with every core busy throughout: the least this push could take here
+            least = (ph[4] + ph[5]) / cores
             print(
                 f"  R={r} lr {lr:.0e}: {ph[0] * 1e3:.0f} / {ph[1] * 1e3:.0f} = {ph[3] * 1e3:.0f} + {(ph[1] - ph[3]) * 1e3:.0f} "
-                f"/ {ph[2] * 1e3:.0f}   CPU s: trainer {ph[4]:.2f}, workers {ph[5]:.2f} ({busy:.0%} of the cores)"
+                f"/ {ph[2] * 1e3:.0f}   CPU s: trainer {ph[4]:.2f}, workers {ph[5]:.2f} ({busy:.0%} of the cores); "
+                f"with every core busy throughout: >= {least * 1e3:.0f} ms, dense/delta <= {m['best']['dense'] / least:.2f}"
             )
     print(
         "\ngoals (issue #27): dense/delta >= 1.5 at R = 1 and >= 1 at every R; read/encode >= 0.7 ('read': both "
