@@ -291,13 +291,14 @@ class ReplyCache:
                 if gate is not None:
                     await gate()
                 if command_id in self._done:
-                    stored = self._done[command_id]
-                    self._check(command_id, print_, stored.fingerprint)
-                    return stored.reply
+                    kept = self._done[command_id]
+                    self._check(command_id, print_, kept.fingerprint)
+                    return kept.reply
                 store = self.durable if durable else None
-                # kept before it runs (claimed): a retry after a crash mid-run is not run again
-                running = StoredReply(print_, b"", answered=False, claim=secrets.token_hex(8))
-                stored = await store.claim(command_id, running) if store is not None else None  # type: ignore[assignment]
+                stored: StoredReply | None = None
+                if store is not None:  # kept before it runs (claimed): a retry after a crash mid-run is not run again
+                    running = StoredReply(print_, b"", answered=False, claim=secrets.token_hex(8))
+                    stored = await store.claim(command_id, running)
             except RLBusError as e:
                 running_now.refused = e
                 raise
