@@ -153,6 +153,15 @@ async def test_a_bucket_the_cluster_cannot_place_fails_with_the_servers_refusal(
     await eventually(
         lambda: takes_writes(nc, Subjects(prefix=prefix).kv_bucket), timeout=30, what="the cluster takes writes"
     )
+
+    async def meta_answers() -> bool:  # after the quorum test's kills the meta leader may still be electing
+        try:
+            await nc.jetstream(timeout=1.0).account_info()
+        except Exception:
+            return False
+        return True
+
+    await eventually(meta_answers, timeout=30, what="JetStream's meta leader answers")
     config = KeyValueConfig(bucket=f"{prefix}_unplaceable", replicas=5, storage=StorageType.FILE)
     with pytest.raises(BadRequestError, match="no suitable peers for placement"):
-        await _open_bucket(nc, config, patience_s=0.5)
+        await _open_bucket(nc, config, patience_s=3.0)  # a timeout on the way is retried; the refusal is what stays
