@@ -38,8 +38,8 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import anyio
@@ -66,6 +66,37 @@ GOAL_NS, GOAL_RATIO, GOAL_SESSION = (8, 64), 1.3, 2.0
 """Issue #27: a round <= 1.3x raw at N = 8 and 64; an empty session <= 2x its raw equivalent."""
 KV_PUTS = 10
 """KV puts timed after each block."""
+
+
+@contextmanager
+def worker_side(sides: dict[str, list]) -> Iterator[dict[str, float]]:
+    """Seconds spent inside the workers' command callbacks, per kind (rlbus: nats.micro's
+    wrapper, decode, reply cache, fence, engine, state, encode, the reply's publish; raw: the
+    reply's publish), while the block runs: the callbacks of every worker subscription of each
+    kind's worker connections are wrapped for the block only (a bench-only patch; the same one
+    on both sides)."""
+    spent = dict.fromkeys(sides, 0.0)
+    wrapped = []
+    for kind, conns in sides.items():
+        for nc in conns:
+            for sub in list(nc._subs.values()):
+                if sub._cb is None or ".worker." not in sub.subject:
+                    continue
+
+                async def timed(msg, cb=sub._cb, kind=kind) -> None:
+                    began = time.perf_counter()
+                    await cb(msg)
+                    spent[kind] += time.perf_counter() - began
+
+                wrapped.append((sub, sub._cb))
+                sub._cb = timed
+    try:
+        yield spent
+    finally:
+        for sub, cb in wrapped:
+            sub._cb = cb
+
+
 CLAIMS_PER_ROUND = 2
 """KV writes a round waits for in series: the claims of pause and of resume."""
 
@@ -89,6 +120,8 @@ class Side:
     """rlbus only: start_weight_update + finish_weight_update with no tensors."""
     sizes: dict[str, int]
     note: str = ""
+    conns: list = []
+    """The workers' NATS connections."""
 
 
 async def _conns(url: str, n: int, per_conn: int, tag: str) -> list:
@@ -160,6 +193,7 @@ async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Side]:
                 "fleet_ack": len(encode(ack)),
             }
             fleet.note = f"$SRV.PING: {found}/{n} workers"
+            fleet.conns = wconns
             yield fleet
             for w in workers:
                 w.stop()
@@ -205,7 +239,7 @@ async def raw_fleet(url: str, n: int, per_conn: int, sizes: dict[str, int]) -> A
             await trainer_nc.request(f"{prefix}.control.pause", command, timeout=30)
             await trainer_nc.request(f"{prefix}.control.resume", command, timeout=30)
 
-        fleet.round, fleet.sizes = one_round, sizes
+        fleet.round, fleet.sizes, fleet.conns = one_round, sizes, wconns
         yield fleet
     finally:
         for nc in [ctrl_nc, trainer_nc, *wconns]:
@@ -257,12 +291,18 @@ async def measure(
             raw_times += await _timed(raw.round, k)
             session += await _timed(rl.session_round, k)
             kv_times += await _timed(kv_put, KV_PUTS)
+        with worker_side({"rlbus": rl.conns, "raw": raw.conns}) as spent:  # where the gap goes
+            for _ in range(rounds):
+                await rl.round()
+                await raw.round()
+        handled = {k: v / rounds for k, v in spent.items()}
         if profiler:
             profiler.enable()
             for _ in range(rounds):
                 await rl.round()
             profiler.disable()
     result = Result(rl_times, rl.sizes, note=rl.note)
+    result.handled = handled  # type: ignore[attr-defined]
     result.session = Result(session, rl.sizes)  # type: ignore[attr-defined]
     return result, Result(raw_times, rl.sizes), Result(kv_times, {})
 
@@ -351,10 +391,25 @@ async def amain(a: argparse.Namespace) -> None:
             f"{kv.median_ms:10.2f} {floor:6.2f}   {goal}"
         )
     print(
+        f"\n{'N':>5} {'worker us/command':>18} {'raw us/command':>15} {'extra ms/round':>15} {'round without it':>17}"
+    )
+    for n, rl, raw, _kv in rows:
+        commands = 2 * n  # pause and resume, to every worker
+        extra = rl.handled["rlbus"] - rl.handled["raw"]  # type: ignore[attr-defined]
+        print(
+            f"{n:5d} {rl.handled['rlbus'] / commands * 1e6:18.1f} {rl.handled['raw'] / commands * 1e6:15.1f} "  # type: ignore[attr-defined]
+            f"{extra * 1e3:15.2f} {(rl.median_ms - extra * 1e3) / raw.median_ms:16.2f}x"
+        )
+    print(
         "\nsession = start_weight_update + finish_weight_update with no tensors (3 fan-outs and the state writes);"
         " its raw limit is taken as 1.5 raw rounds (3 scatter-gathers).\n"
         f"floor = (raw round + {CLAIMS_PER_ROUND} fsync'd KV puts) / raw round: each of pause and resume keeps its"
-        " claim before it dispatches (its answer goes to the store ahead of the reply, acknowledged after it)."
+        " claim before it dispatches (its answer goes to the store ahead of the reply, acknowledged after it).\n"
+        "worker us/command = time inside a worker's command handler, from the message handed to it to its reply"
+        " published (rlbus: decode, reply cache, fence, engine, state, encode; raw: the publish alone), over a"
+        " pass of rounds after the timed ones; round without it = the rlbus round less that extra, over raw: what"
+        " it would be if rlbus's worker path cost what a raw responder's does (every worker shares this one"
+        " process, so its path adds to the round once per worker)."
     )
 
 

@@ -198,8 +198,8 @@ def logged(acked: Acked, what: str) -> Callable[[], Awaitable[None]]:
 async def after_reply(acked: Acked, what: str) -> None:
     """A write the handler sent ahead of its command's reply: its acknowledgement is awaited
     once the reply is out (with the answer's, see ReplyCache.settle; a drain waits for it), and
-    a store that refused it is logged naming `what`. Outside a command with an id (a takeover,
-    a test) it is awaited now, and a refusal raises."""
+    a store that refused it is logged naming `what`. Outside a command whose answer is kept
+    durably (a takeover, a read, a test) it is awaited now, and a refusal raises."""
     pending = _after_reply.get()
     if pending is None:
         await acked()
@@ -317,6 +317,8 @@ class ReplyCache:
                             ).to_nack()
                         ),
                     )
+            elif store is None:  # kept in memory only: what its handler sends ahead is awaited in it
+                stored = StoredReply(print_, await work())
             else:
                 pending: list[Acked] = []
                 token = _after_reply.set(pending)
@@ -324,13 +326,11 @@ class ReplyCache:
                     stored = StoredReply(print_, await work())
                 finally:
                     _after_reply.reset(token)
-                if store is not None:
-                    # kept before it is sent: its write goes out ahead of the reply on the one
-                    # connection, so the server has it before the caller can; settle() awaits the
-                    # store's acknowledgement once the reply is out
-                    pending.append(await store.put(command_id, stored))
-                if pending:
-                    self._unacked[command_id] = pending
+                # kept before it is sent: its write goes out ahead of the reply on the one
+                # connection, so the server has it before the caller can; settle() awaits the
+                # store's acknowledgement once the reply is out
+                pending.append(await store.put(command_id, stored))
+                self._unacked[command_id] = pending
             self._done[command_id] = stored
             while len(self._done) > self.size:
                 self._done.popitem(last=False)
@@ -441,15 +441,15 @@ class Endpoints:
                 # raised, not answered: the micro service answers it and counts it in num_errors
                 raise ServiceError(UNDECODABLE_STATUS, f"undecodable {op} payload: {e}") from None
             print_ = fingerprint(op, req.data)
-
-            def work() -> Awaitable[bytes]:
-                return self._answer(route, handler, cmd, print_, gate)
-
             command_id: str = cmd.command_id  # type: ignore[attr-defined]
             if route.runs_inline(cmd) and command_id not in self.replies:
-                await self._reply(req, work, counted=False, command_id=command_id)
+                # answered here, in the NATS callback: no task, no closure (the hot path of
+                # every worker command)
+                await self._send(req, await self._answer(route, handler, cmd, print_, gate))
+                if self.replies.unsettled(command_id):  # never wait inside the callback
+                    self._tg.start_soon(self.replies.settle, command_id)
             else:
-                self.spawn(req, work, command_id)
+                self.spawn(req, lambda: self._answer(route, handler, cmd, print_, gate), command_id)
 
         return on_request
 
@@ -489,7 +489,7 @@ class Endpoints:
         """Answer `job`, then each command handed to this task while it is parked."""
         while True:
             req, work, command_id = job
-            await self._reply(req, work, True, command_id)
+            await self._reply(req, work, command_id)
             if len(self._parked) >= PARKED_RUNNERS:
                 return
             parked = _Parked()
@@ -543,26 +543,22 @@ class Endpoints:
             log.exception("%s: %s: keeping its answer failed", self._name, type(cmd).__name__)
             return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
 
-    async def _reply(
-        self, req: Request, work: Callable[[], Awaitable[bytes]], counted: bool = True, command_id: str = ""
-    ) -> None:
+    async def _send(self, req: Request, data: bytes) -> None:
+        try:
+            await req.respond(data)
+        except Exception as e:  # connection closed mid-reply: nothing else to tell
+            log.warning("%s: could not reply: %s", self._name, e)
+
+    async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes]], command_id: str = "") -> None:
         """Run `work`, reply with its answer, then wait for the durable store to acknowledge the
         answer it was sent ahead of the reply (a drain waits for that too)."""
         try:
-            data = await work()
-            try:
-                await req.respond(data)
-            except Exception as e:  # connection closed mid-reply: nothing else to tell
-                log.warning("%s: could not reply: %s", self._name, e)
-            if counted:
-                await self.replies.settle(command_id)
-            elif self.replies.unsettled(command_id):  # inside the NATS callback: never wait there
-                self._tg.start_soon(self.replies.settle, command_id)
+            await self._send(req, await work())
+            await self.replies.settle(command_id)
         finally:
-            if counted:
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._idle.set()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
 
 
 class NotRunning:

@@ -37,6 +37,8 @@ from rlbus.schemas.errors import FailedPrecondition, InvalidArgument, Unavailabl
 from .book import Book, Labels, WeightLabel
 from .changes import Changes
 
+PAUSE_MODES = frozenset(typing.get_args(PauseMode))
+
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     paused: bool
@@ -286,7 +288,7 @@ class Engine(abc.ABC):
     async def pause(self, mode: PauseMode) -> None:
         """Returns once the pause is in effect (wait: in-flight requests finished; keep: they
         are frozen). Idempotent; a second abort still ends frozen requests."""
-        if mode not in typing.get_args(PauseMode):  # the wire decoder refuses it; a direct caller may not
+        if mode not in PAUSE_MODES:  # the wire decoder refuses it; a direct caller may not
             raise InvalidArgument(f"unknown pause mode {mode!r}; use abort, wait or keep")
         if self._paused and mode != "abort":
             return
