@@ -22,6 +22,7 @@ import torch
 from rlbus.schemas import (
     SLEEP_TAGS,
     BucketMeta,
+    FleetState,
     GenerateReply,
     GenerateRequest,
     ParamMeta,
@@ -233,11 +234,22 @@ class Engine(abc.ABC):
 
     # ---- status --------------------------------------------------------------------------
 
+    def stance(self) -> FleetState:
+        """Where the engine stands, as the target a command changes one part of: paused (in which
+        mode) or running, and which parts sleep at which level. The part of status() that pause,
+        resume, sleep and wake read, without building the rest (once per command)."""
+        return FleetState(
+            paused=self._paused,
+            pause_mode=self._pause_mode,
+            sleep_level=self._sleep_level,
+            sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping] if self._sleeping else [],
+        )
+
     def status(self) -> EngineStatus:
         return EngineStatus(
             paused=self._paused,
             pause_mode=self._pause_mode,
-            sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping],
+            sleeping_tags=[t for t in SLEEP_TAGS if t in self._sleeping] if self._sleeping else [],
             sleep_level=self._sleep_level,
             weights_loaded=self.weights_loaded,
             in_flight=self._in_flight(),

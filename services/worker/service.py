@@ -71,7 +71,7 @@ from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
 from rlbus.bus.connection import request, stop_service
 
 from .book import Book, WeightLabel
-from .engine import Engine, EngineStatus
+from .engine import Engine
 from .repair import RepairSource
 from .updates import WeightUpdates
 from .verify import hash_weights
@@ -139,7 +139,8 @@ class WorkerService:
 
     def state(self) -> WorkerState:
         """What the engine reports of the model, the books, and the open session."""
-        e, b, st = self.engine, self.book, self.engine.status()
+        e, b, u = self.engine, self.book, self.updates
+        st, main, draft, init = e.status(), b.main, b.draft, u.init
         # every field named: a call that merges a dict of the status into keywords costs twice
         # this, once per command (tests/unit/test_worker_state.py checks none is left out)
         return WorkerState(
@@ -158,15 +159,15 @@ class WorkerService:
             spec_accepted=st.spec_accepted,
             epoch=b.epoch,
             controller_id=b.controller_id,
-            weight_version=b.main.version,
-            weight_seq=b.main.seq,
-            draft_version=b.draft.version if e.has_draft_model else None,
-            draft_seq=b.draft.seq,
+            weight_version=main.version,
+            weight_seq=main.seq,
+            draft_version=draft.version if e.has_draft_model else None,
+            draft_seq=draft.seq,
             dirty=b.dirty or e.recovering,  # a vLLM restarting after a failed load is dirty too
             withheld=b.withheld,
-            session_id=self.updates.session_id,
-            transfer_ready=self.updates.transfer_ready,
-            transfer_group=self.updates.init.group_name if self.updates.init else None,
+            session_id=u.session_id,
+            transfer_ready=u.transfer_ready,
+            transfer_group=init.group_name if init else None,
         )
 
     def ack(self) -> WorkerAck:
@@ -355,19 +356,12 @@ class WorkerService:
 
     # ---- pause, sleep and their opposites: one way to the state asked for -----------------
 
-    @staticmethod
-    def _held_state(st: EngineStatus) -> FleetState:
-        """Where the engine stands (its status `st`), as a target: a command changes one part of it."""
-        return FleetState(
-            paused=st.paused, pause_mode=st.pause_mode, sleep_level=st.sleep_level, sleeping_tags=st.sleeping_tags
-        )
-
-    async def converge(self, want: FleetState, held: EngineStatus | None = None) -> None:
+    async def converge(self, want: FleetState, held: FleetState | None = None) -> None:
         """Bring the engine to `want`: paused in its mode (or running), the parts asleep that it
         names and no others. Every pause, resume, sleep and wake goes through here, commanded
         one at a time or synced as a whole (the fleet's desired state). `held`: the engine's
-        status read just before, with nothing awaited since."""
-        held = held or self.engine.status()
+        stance read just before, with nothing awaited since."""
+        held = held or self.engine.stance()
         if want.paused and (not held.paused or held.pause_mode != want.pause_mode):
             await self.engine.pause(want.pause_mode or "abort")
         elif not want.paused and held.paused:
@@ -382,10 +376,10 @@ class WorkerService:
             await self.engine.wake_up(to_wake)
 
     async def _change(self, to: Callable[[FleetState], FleetState]) -> WorkerAck:
-        """One command's change of where the engine stands: its status read once, then
+        """One command's change of where the engine stands: its stance read once, then
         converged to `to(held)`."""
-        st = self.engine.status()
-        await self.converge(to(self._held_state(st)), st)
+        held = self.engine.stance()
+        await self.converge(to(held), held)
         return self.ack()
 
     async def _pause(self, cmd: PauseWorker) -> WorkerAck:
