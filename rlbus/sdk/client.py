@@ -371,7 +371,9 @@ class RLClient:
         A failure in any phase aborts the session everywhere (old weights and version stay)
         and re-raises, leaving the fleet as the push found it: resumed if the push paused it
         (also when the pause itself failed half-way, some workers paused and some not); a
-        fleet that was already paused stays paused.
+        fleet that was already paused stays paused. A resume that fails after the commit
+        raises its own error type, its message saying the version committed (`last_push.committed`
+        is True): the new weights stand and the fleet stays paused; call resume().
 
         delta: send only what changed since this client's last delta=True commit (see
         start_weight_update); falls back to dense by itself. `last_push` reports either way.
@@ -401,6 +403,12 @@ class RLClient:
                 f"push_weights committed {ack.weight_version} but the fleet did not resume "
                 f"within its {total:g}s; call resume()"
             ) from None
+        except RLBusError as e:  # committed all the same: the caller hears that, and that the fleet is paused
+            raise type(e)(
+                f"push_weights committed {ack.weight_version} but the fleet did not resume ({e.message}); "
+                "call resume()",
+                e.failures,
+            ) from e
         return ack
 
     async def _push(

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import msgspec
 import pytest
-from rlbus.schemas import FleetAck, InitWeightTransfer, Subjects
+from rlbus.schemas import FleetAck, InitWeightTransfer, Subjects, UpdateMode
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -26,12 +27,13 @@ from tests.weights_helpers import MODEL, VersionEvents, assert_holds, new_versio
 WORKERS = ["w0", "w1"]
 ROUNDS = 20
 PUSH_LEASE_S = 2.0
+Trio = tuple[LocalFleet, RLClient, RLClient]
 
 
-@pytest.fixture
-async def two_trainers(nats_server) -> AsyncIterator[tuple[LocalFleet, RLClient, RLClient]]:
+@asynccontextmanager
+async def fleet_and_two_trainers(url: str, update_mode: UpdateMode = "staged") -> AsyncIterator[Trio]:
     p = "l" + uuid.uuid4().hex[:8]
-    f = LocalFleet(nats_server.url)
+    f = LocalFleet(url)
     await f.start_controller(
         ControllerOptions(
             subjects=Subjects(prefix=p), command_timeout_s=10.0, liveness_timeout_s=1.5, push_lease_s=PUSH_LEASE_S
@@ -40,17 +42,29 @@ async def two_trainers(nats_server) -> AsyncIterator[tuple[LocalFleet, RLClient,
     for wid in WORKERS:
         await f.start_worker(
             ReferenceEngine(MODEL),
-            WorkerOptions(worker_id=wid, subjects=Subjects(prefix=p), heartbeat_s=0.2, weight_transfer_backend="shm"),
+            WorkerOptions(
+                worker_id=wid,
+                subjects=Subjects(prefix=p),
+                heartbeat_s=0.2,
+                weight_transfer_backend="shm",
+                update_mode=update_mode,
+            ),
         )
     await f.wait_for_workers(WORKERS)
-    a = await RLClient.connect(nats_server.url, prefix=p, timeout=30.0)
-    b = await RLClient.connect(nats_server.url, prefix=p, timeout=30.0)
+    a = await RLClient.connect(url, prefix=p, timeout=30.0)
+    b = await RLClient.connect(url, prefix=p, timeout=30.0)
     try:
         yield f, a, b
     finally:
         await a.close()
         await b.close()
         await f.close()
+
+
+@pytest.fixture
+async def two_trainers(nats_server) -> AsyncIterator[Trio]:
+    async with fleet_and_two_trainers(nats_server.url) as trio:
+        yield trio
 
 
 async def test_two_trainers_pushing_at_once_commit_exactly_once_every_round(two_trainers):
@@ -127,3 +141,32 @@ async def test_a_trainer_that_stops_sending_loses_the_lease_and_its_session_once
         assert_holds(f, wid, trained(9))
     with pytest.raises(rlbus.FailedPrecondition):
         await a.finish_weight_update(new_version("too-late"))  # its session is gone
+
+
+async def test_a_push_whose_resume_is_refused_after_its_commit_says_it_committed_and_leaves_the_fleet_paused(
+    nats_server, monkeypatch
+):
+    async with fleet_and_two_trainers(nats_server.url, update_mode="in_place") as (f, a, b):
+        version, named = new_version("committed-then-refused"), trained(31)
+        finish = a.push.finish
+
+        async def finish_then_b_starts(*args, **kw):
+            ack = await finish(*args, **kw)
+            # a's commit stands and its lease is free: b opens a session on the paused in-place
+            # fleet, so a's resume is refused (nothing uncommitted is served)
+            await b.start_weight_update()
+            return ack
+
+        monkeypatch.setattr(a.push, "finish", finish_then_b_starts)
+        with pytest.raises(rlbus.FailedPrecondition) as err:
+            await a.push_weights(named, version)
+        assert f"push_weights committed {version} but the fleet did not resume" in err.value.message, err.value
+        assert "call resume()" in err.value.message
+        assert a.last_push is not None and a.last_push.committed
+        assert await a.get_weight_version() == version
+        assert await a.is_paused()
+        for wid in WORKERS:
+            assert_holds(f, wid, named)
+        await b.abort_weight_update()
+        await a.resume()
+        assert not await a.is_paused()
