@@ -240,6 +240,9 @@ class WeightPush:
         (a refusal's message is kept in stats.fallback) and tracks what it sends."""
         base = self.committed.get(target) if delta else None
         fallback: str | None = None
+        if base is not None and base.broken:  # the trainer's copy is not the committed bits: dense heals it
+            fallback, base = base.broken, None
+            self.committed.pop(target, None)
         ack: FleetAck | None = None
         if base is not None:
             try:
@@ -296,7 +299,7 @@ class WeightPush:
             # compared where the tensor lives (a GPU tensor on its GPU, against a base there or in
             # pinned host memory); on the host the result's checksum is taken in the compare's
             # pass and the last commit's delta written in it
-            under = base.unapplied.pop(named[k][0], None) if base is not None else None
+            under = base.take(named[k][0]) if base is not None else None
             return D.diff_checked(named[k][1], old, under, kind)
 
         threads = max(1, min(self.encode_threads, sum(o is not None for o in olds)))
@@ -462,10 +465,17 @@ class WeightPush:
         if pending is not None:
             seqs = {w.weight_seq if self._target == "main" else w.draft_seq for w in ack.workers}
             if len(seqs) == 1:
-                self.committed[self._target] = pending.commit(self.committed.get(self._target), seqs.pop())
+                after = self.committed[self._target] = pending.commit(self.committed.get(self._target), seqs.pop())
+                after.write_behind()  # the deltas onto the trainer's copy, off the push's time
             else:  # cannot happen after a commit every worker acked; then nothing is a safe base
                 self.committed.pop(self._target, None)
         return ack
+
+    def settle(self) -> None:
+        """Wait until the last commit's deltas are written onto the trainer's copy (a thread
+        writes them after each commit, off the push's time; the next push need not wait)."""
+        for c in self.committed.values():
+            c.settle()
 
     async def abort(self, reason: str) -> FleetAck:
         self.pending = None  # the snapshot stays at the last commit

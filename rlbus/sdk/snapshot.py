@@ -14,19 +14,26 @@ them refuses it, by its commit sequence).
 
 A committed delta is not written onto the snapshot at the commit (that would be a pass of
 scattered writes over the model, on the caller's time) but kept beside its tensor
-(`Committed.unapplied`) and written by the next compare of that tensor, a slice at a time
-just before the compare reads it (`rlbus.transfer.delta.diff_checked(..., under=...)`):
-the tensor plus its unapplied delta are the committed bits.
+(`Committed.unapplied`): the tensor plus its unapplied delta are the committed bits. A thread
+writes them after the commit (`Committed.write_behind`), while the trainer trains and the fleet
+serves, so the next push finds them written; a compare that reaches a tensor first takes its
+delta and writes it itself, a slice at a time just before it reads it
+(`rlbus.transfer.delta.diff_checked(..., under=...)`). Each delta is written once, by whichever
+takes it, and a tensor is never read while the thread writes it (`Committed.take`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from rlbus.transfer import delta
+
+log = logging.getLogger("rlbus.sdk.snapshot")
 
 
 @dataclass
@@ -38,20 +45,68 @@ class Committed:
     """name -> its bits as of `seq`, once its entry of `unapplied` (if any) is written onto it."""
     unapplied: dict[str, delta.Delta] = field(default_factory=dict)
     """name -> the committed delta not yet written onto `tensors[name]`; whoever takes it out
-    (the next compare) writes it."""
+    (`take`: the writer thread, or the next compare) writes it."""
+    broken: str | None = None
+    """Why these are not the committed bits any more (a write that failed half-way): the next
+    session goes dense."""
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
+    _writing: str | None = field(default=None, repr=False, compare=False)
+    _writer: threading.Thread | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + sum(
-            d.blob.numel() for d in self.unapplied.values()
-        )
+        with self._cond:
+            pending = list(self.unapplied.values())
+        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + sum(d.blob.numel() for d in pending)
+
+    def take(self, name: str) -> delta.Delta | None:
+        """`name`'s unapplied delta, for the caller to write onto `tensors[name]` before it
+        reads it (None: written already). Waits while the writer thread writes it."""
+        with self._cond:
+            while self._writing == name:
+                self._cond.wait()
+            return self.unapplied.pop(name, None)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The committed bits of `name`, its unapplied delta written first."""
-        d = self.unapplied.pop(name, None)
+        d = self.take(name)
         if d is not None:
             d.apply_to(self.tensors[name])
         return self.tensors[name]
+
+    def write_behind(self) -> None:
+        """Write every unapplied delta in a thread of its own, off the caller's time (after a
+        commit: the next push finds them written). A compare that gets to a tensor first takes
+        its delta (`take`); `settle` waits for the thread."""
+        self.settle()
+        if self.unapplied:
+            self._writer = threading.Thread(target=self._write_all, name="rlbus-snapshot", daemon=True)
+            self._writer.start()
+
+    def settle(self) -> None:
+        """Wait until the writer thread (if any) wrote every delta it took."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _write_all(self) -> None:
+        while True:
+            with self._cond:
+                if not self.unapplied:
+                    return
+                name, d = next(iter(self.unapplied.items()))
+                del self.unapplied[name]
+                self._writing = name
+            try:
+                d.apply_to(self.tensors[name])
+            except Exception as e:  # half-written: these are not the committed bits any more
+                self.broken = f"writing the committed delta of {name!r} onto the trainer's copy failed: {e}"
+                log.warning("%s; the next push goes dense", self.broken)
+                return
+            finally:
+                with self._cond:
+                    self._writing = None
+                    self._cond.notify_all()
 
 
 @dataclass
@@ -75,7 +130,9 @@ class Pending:
         """The snapshot after this session committed as `seq`. A delta session updates the
         snapshot it was taken against; a dense one keeps only what it sent (the fleet may
         hold other bits of the rest: another client's or an untracked push)."""
-        if self.base_seq is None or before is None or before.seq != self.base_seq:
+        if before is not None:
+            before.settle()
+        if self.base_seq is None or before is None or before.seq != self.base_seq or before.broken:
             return Committed(seq=seq, tensors=dict(self.dense))
         for name, d in self.deltas.items():
             if name in before.unapplied:  # not compared since the last commit: cannot be, but keep its bits

@@ -235,6 +235,7 @@ async def test_a_result_that_is_not_the_trainers_aborts_everywhere_then_heals(fl
         w = master.model.blocks[0].fc1.weight.view(-1)
         w[5] += 1.5
         # the trainer's idea of the base is off by one element: it believes the workers hold the new value
+        rl.push.settle()  # the last commit's deltas written onto it first
         rl.push.committed["main"].tensors["blocks.0.fc1.weight"].view(-1)[5] = w[5].to(torch.bfloat16)
     with pytest.raises(rlbus.Aborted) as err:
         await _push(rl, master)

@@ -4,6 +4,8 @@ the device path (torch ops) forced on CPU tensors."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -95,6 +97,72 @@ def test_a_tensor_sent_dense_drops_its_unapplied_delta():
     whole = torch.zeros_like(v0)
     after = Pending(base_seq=1, dense={"a": whole}).commit(snap, 2)
     assert not after.unapplied and after.tensor("a") is whole
+
+
+def _committed_with_deltas() -> tuple[Committed, dict[str, torch.Tensor]]:
+    v0 = _tensors()
+    base = Committed(seq=3, tensors={n: t.clone() for n, t in v0.items()})
+    v1 = {n: t.clone() for n, t in v0.items()}
+    v1["a"].view(-1)[[7, 900, 4000]] += 1
+    v1["b"].view(-1)[[0, 255]] += 1
+    deltas = {}
+    for n in v1:
+        _, d = D.diff(v1[n], base.tensors[n])
+        assert d is not None
+        deltas[n] = d
+    return Pending(base_seq=3, deltas=deltas).commit(base, 4), v1
+
+
+def test_after_a_commit_a_thread_writes_every_delta_onto_the_snapshot():
+    after, v1 = _committed_with_deltas()
+    after.write_behind()
+    after.settle()
+    assert not after.unapplied and after.broken is None
+    assert all(torch.equal(D.bits(after.tensors[n]), D.bits(v1[n])) for n in v1)
+
+
+def test_a_compare_that_reaches_a_tensor_the_thread_is_writing_waits_for_it_and_reads_the_committed_bits(
+    monkeypatch,
+):
+    after, v1 = _committed_with_deltas()
+    first = next(iter(after.unapplied))
+    writing, go_on = threading.Event(), threading.Event()
+    apply_to = D.Delta.apply_to
+
+    def gated(self, out):  # the real write, held open while the test looks
+        if out is after.tensors[first]:
+            writing.set()
+            assert go_on.wait(10)
+        apply_to(self, out)
+
+    monkeypatch.setattr(D.Delta, "apply_to", gated)
+    after.write_behind()
+    assert writing.wait(10)
+    taken: list[object] = []
+    reader = threading.Thread(target=lambda: taken.append(after.take(first)))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive(), "take() returned while the thread was still writing the tensor"
+    go_on.set()
+    reader.join(10)
+    assert taken == [None]  # the thread wrote it: nothing left for the compare to write
+    after.settle()
+    assert torch.equal(D.bits(after.tensors[first]), D.bits(v1[first]))
+
+
+def test_a_write_that_fails_leaves_the_snapshot_broken_and_the_next_commit_keeps_only_what_it_sent(monkeypatch):
+    after, _ = _committed_with_deltas()
+
+    def fails(self, out):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(D.Delta, "apply_to", fails)
+    after.write_behind()
+    after.settle()
+    assert after.broken is not None and "no memory" in after.broken
+    sent = {"b": torch.zeros(256, dtype=torch.bfloat16)}
+    again = Pending(base_seq=4, dense=dict(sent)).commit(after, 5)
+    assert again is not after and set(again.tensors) == {"b"} and again.broken is None
 
 
 def test_a_delta_update_is_cut_into_at_most_four_ordered_groups_of_about_equal_bytes(monkeypatch, path):
