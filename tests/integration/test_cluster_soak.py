@@ -165,7 +165,8 @@ async def test_a_seeded_run_of_pushes_and_node_kills_keeps_the_fleet_in_step(fle
             lambda: seen() == committed,
             timeout=10,
             what=f"every commit published: {committed}, seen {seen()} "
-            f"(by node: {[(p.url, p.versions()) for p in observers]}; kills {killed_nodes}; failures {failures})",
+            f"(by node: {[(p.url, [(v.version, v.seq) for v in p.seen]) for p in observers]}; kills {killed_nodes}; "
+            f"failures {failures})",
         )
         for p in observers:
             got = [v.version for v in p.seen]
