@@ -15,8 +15,10 @@ Both fleets run at once and the rounds alternate between them (and the sessions)
 blocks, so a slow spell of a shared machine hits all alike. Median ms per round over --rounds after 3 warm-up rounds;
 ratio = rlbus / raw (1.0 = the limit).
 kv put: one fsync'd JetStream KV put on the same server (sync_interval: always), timed between
-the blocks. Every state-changing command waits for one write that no fan-out hides: its claim
-(kept before anything is dispatched). Its answer is sent to the store ahead of the reply on the
+the blocks. Pause and resume each wait for one write that no fan-out hides: its claim (kept
+before anything is dispatched: a pause cannot be undone). A session's start and finish send
+their claims as they start, landing beside their first fan-out; the decision is the one write it
+waits for in series. Every answer is sent to the store ahead of the reply on the
 same connection and acknowledged after it (services/endpoints.py), so it costs the reply no
 round trip; "floor" is the raw round plus the two claims' puts, over the raw round: what the
 durability costs at the least.

@@ -8,6 +8,7 @@ returns at once. The task replies when the work is done.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
@@ -64,9 +65,15 @@ class Route(Generic[C]):
         inline: bool | Callable[[C], bool],
         read: bool,
         recover: Callable[[C], Awaitable[object | None]] | None = None,
+        claims_beside: bool = False,
     ) -> None:
         self.kind = kind
         self.recover = recover
+        self.claims_beside = claims_beside
+        """Its claim in the answer store is sent as it starts and lands beside its handler's first
+        fan-out, not before it: the handler awaits it (`claimed`) before its first step that
+        cannot be undone, and undoes what it did when the claim is refused or finds an earlier
+        run (a finish: its prepare checks only, and nothing is decided before the claim lands)."""
         """Answers a retry of a command whose run stopped with its process before it answered,
         from the state that run left (e.g. a finish whose commit a successor completed)."""
         self.op = op_of(kind)
@@ -107,8 +114,9 @@ class Routes:
         inline: bool | Callable[[C], bool] = False,
         read: bool = False,
         recover: Callable[[C], Awaitable[object | None]] | None = None,
+        claims_beside: bool = False,
     ) -> None:
-        route = Route(kind, handler, inline, read, recover)
+        route = Route(kind, handler, inline, read, recover, claims_beside)
         if route.op in self._by_op:
             raise ValueError(f"{route.op} is routed twice")
         self._by_op[route.op] = route
@@ -180,6 +188,40 @@ Acked = Callable[[], Awaitable[object]]
 
 _after_reply: ContextVar[list[Acked] | None] = ContextVar("rlbus_after_reply", default=None)
 """The command being answered's writes sent ahead of its reply (None outside a command)."""
+
+
+class ClaimOutcome(Exception):
+    """A claim sent beside its handler did not let the command run: the handler undid what it
+    did (nothing it did could not be undone) and gives way; the reply cache answers."""
+
+
+class ClaimRefused(ClaimOutcome):
+    """The store took no claim (no quorum within its patience): the refusal answers the call
+    and is recorded nowhere, as a claim refused before its handler ran."""
+
+
+class ClaimFound(ClaimOutcome):
+    """The id holds an earlier run's record: that run's answer (or its recovery) answers."""
+
+
+_beside: ContextVar[asyncio.Future[StoredReply | None] | None] = ContextVar("rlbus_claim_beside", default=None)
+"""The running command's claim, when its route claims beside its handler (None otherwise)."""
+
+
+async def claimed() -> None:
+    """In a handler: wait until its command's claim (sent as it started, when its route claims
+    beside it) has landed; at once when it was claimed before it ran. Call it before the first
+    step that cannot be undone. Raises ClaimRefused or ClaimFound: undo what was done, let it
+    through. The claim is not cancelled with the caller: the reply cache waits for its end."""
+    pending = _beside.get()
+    if pending is None:
+        return
+    try:
+        found = await asyncio.shield(pending)
+    except RLBusError as e:
+        raise ClaimRefused(str(e)) from None
+    if found is not None:
+        raise ClaimFound(found.fingerprint)
 
 
 def logged(acked: Acked, what: str) -> Callable[[], Awaitable[None]]:
@@ -261,6 +303,7 @@ class ReplyCache:
         durable: bool = False,
         recover: Callable[[], Awaitable[bytes | None]] | None = None,
         gate: Callable[[], Awaitable[None]] | None = None,
+        beside: bool = False,
     ) -> bytes:
         """The answer of `work`, run once per command id. `durable`: also keep it in the
         durable store (state-changing commands). A command that was running when the process
@@ -272,7 +315,11 @@ class ReplyCache:
         refusal included: a trainer resends a command its first send has not answered within an
         attempt (5 s), and a refusal (the state store without quorum for its 15 s patience)
         answers the call; a resend that started over behind it could run the command after its
-        caller was told it was refused."""
+        caller was told it was refused.
+
+        `beside` (durable only): the claim is sent as `work` starts and awaited by it (`claimed`)
+        before its first step that cannot be undone, then here: its refusal or an earlier run's
+        record answers instead of `work`, which undid what it did."""
         if not command_id:
             if gate is not None:
                 await gate()
@@ -296,12 +343,20 @@ class ReplyCache:
                     return kept.reply
                 store = self.durable if durable else None
                 stored: StoredReply | None = None
+                claiming: asyncio.Future[StoredReply | None] | None = None
                 if store is not None:  # kept before it runs (claimed): a retry after a crash mid-run is not run again
                     running = StoredReply(print_, b"", answered=False, claim=secrets.token_hex(8))
-                    stored = await store.claim(command_id, running)
+                    if beside:  # sent now, landing while the handler runs: it awaits it before it decides
+                        claiming = asyncio.ensure_future(store.claim(command_id, running))
+                    else:
+                        stored = await store.claim(command_id, running)
             except RLBusError as e:
                 running_now.refused = e
                 raise
+            answer = b""
+            pending: list[Acked] = []
+            if claiming is not None:
+                answer, stored = await self._run_beside(claiming, work, pending, running_now)
             if stored is not None:
                 self._check(command_id, print_, stored.fingerprint)
                 if not stored.answered:
@@ -320,12 +375,13 @@ class ReplyCache:
             elif store is None:  # kept in memory only: what its handler sends ahead is awaited in it
                 stored = StoredReply(print_, await work())
             else:
-                pending: list[Acked] = []
-                token = _after_reply.set(pending)
-                try:
-                    stored = StoredReply(print_, await work())
-                finally:
-                    _after_reply.reset(token)
+                if claiming is None:
+                    token = _after_reply.set(pending)
+                    try:
+                        answer = await work()
+                    finally:
+                        _after_reply.reset(token)
+                stored = StoredReply(print_, answer)
                 # kept before it is sent: its write goes out ahead of the reply on the one
                 # connection, so the server has it before the caller can; settle() awaits the
                 # store's acknowledgement once the reply is out
@@ -339,6 +395,36 @@ class ReplyCache:
             done = self._running.pop(command_id).done
             if done is not None:
                 done.set()
+
+    @staticmethod
+    async def _run_beside(
+        claiming: asyncio.Future[StoredReply | None],
+        work: Callable[[], Awaitable[bytes]],
+        pending: list[Acked],
+        running_now: _Running,
+    ) -> tuple[bytes, StoredReply | None]:
+        """Run `work` while its claim lands; then the claim's outcome: an earlier run's record
+        (the answer is dropped: `work` did nothing it did not undo) or none (the answer stands).
+        A refused claim raises its refusal, shared by the sends that waited."""
+        token, beside = _after_reply.set(pending), _beside.set(claiming)
+        answer = b""
+        try:
+            answer = await work()
+        except ClaimOutcome:
+            pass  # the claim's outcome answers: read below
+        except BaseException:  # cancelled: the claim goes too
+            claiming.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(claiming, return_exceptions=True)
+            raise
+        finally:
+            _beside.reset(beside)
+            _after_reply.reset(token)
+        try:
+            return answer, await claiming
+        except RLBusError as e:
+            running_now.refused = e
+            raise
 
     def unsettled(self, command_id: str) -> bool:
         return bool(command_id) and command_id in self._unacked
@@ -524,6 +610,8 @@ class Endpoints:
                 )
             except RLBusError as e:
                 return encode(e.to_nack())
+            except ClaimOutcome:  # the reply cache answers from the claim
+                raise
             except Exception as e:  # a bug: answer INTERNAL rather than leave the caller hanging
                 log.exception("%s: %s failed", self._name, type(cmd).__name__)
                 return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
@@ -536,6 +624,7 @@ class Endpoints:
                 durable=not route.read,
                 recover=route.recovery(cmd),
                 gate=None if gate is None else lambda: gate(route, cmd),
+                beside=route.claims_beside,
             )
         except RLBusError as e:  # refused by the gate, the id used for another command, no claim
             return encode(e.to_nack())

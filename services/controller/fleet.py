@@ -22,6 +22,7 @@ from rlbus.schemas import (
     Unavailable,
     encode,
 )
+from rlbus.services.endpoints import ClaimOutcome, claimed
 from rlbus.services.metrics import ControllerMetrics
 
 from .fanout import FanOut, Outcome
@@ -74,8 +75,13 @@ class Fleet:
             self.metrics.fanned_out(out.op, out.seconds, [(f.worker_id, f.code) for f in out.failures])
         for state in out.acks.values():
             self.registry.seen(state)
-        for f in out.failures:
-            if f.code == "UNAVAILABLE":
+        gone = [f for f in out.failures if f.code == "UNAVAILABLE"]
+        if gone:
+            try:
+                await claimed()  # a command refused for want of quorum changes nothing, the registry included
+            except ClaimOutcome:
+                return out
+            for f in gone:
                 await self.on_lost(f.worker_id, f.message)
         return out
 

@@ -3,11 +3,13 @@
 No I/O here; updates.py performs what a step asks for and feeds back what happened.
 
     Idle --Start--> Open --Update*--> Open --Finish--> Committing --Decide--> Decided --CommitDone--> Idle
-                     |                                   |
+                     |                 ^                 |
+                     |                 +----Reopen-------+
                      +--Abort / WorkerLost / Sleep--> Idle <--Failed--+
 
 Committing is phase 1 (every worker verifies what it staged); any failure there aborts
-everywhere. Decide records the outcome (the decision is in the state store before any worker
+everywhere, except a finish whose claim the store refused (Reopen: phase 1 only checked, nothing
+was decided, and the session stays open for the finish's retry). Decide records the outcome (the decision is in the state store before any worker
 commits): from Decided on the outcome is commit, and nothing but CommitDone leaves it; a worker
 that fails or misses its commit is quarantined, never rolled back (a commit that loaded into an
 engine cannot be taken back).
@@ -37,6 +39,8 @@ class Committing(msgspec.Struct, frozen=True, tag="committing"):
     target: UpdateTarget
     epoch: int
     version: str | None
+    updates: int = 0
+    """The open session's, kept for a Reopen."""
 
 
 class Decided(msgspec.Struct, frozen=True, tag="decided"):
@@ -80,6 +84,11 @@ class CommitDone(msgspec.Struct, frozen=True):
     pass
 
 
+class Reopen(msgspec.Struct, frozen=True):
+    """The finish gave way before its decision (its claim was refused, or an earlier run of it
+    answers): phase 1 only checked, so the session is open again, as before the finish."""
+
+
 class Failed(msgspec.Struct, frozen=True):
     reason: str
 
@@ -100,7 +109,7 @@ class VersionSet(msgspec.Struct, frozen=True):
     """update_weight_version without a transfer."""
 
 
-Event = Union[Start, Update, Finish, Decide, CommitDone, Failed, Abort, WorkerLost, SleepWeights, VersionSet]
+Event = Union[Start, Update, Finish, Decide, CommitDone, Reopen, Failed, Abort, WorkerLost, SleepWeights, VersionSet]
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -138,8 +147,8 @@ def step(state: SessionState, event: Event) -> Step:
                 "FAILED_PRECONDITION",
                 "finish_weight_update() without a session; call start_weight_update() first",
             )
-        case Idle(), Decide():
-            return _refuse(state, "INTERNAL", "a commit decided with no session finishing")
+        case Idle(), (Decide() | Reopen()):
+            return _refuse(state, "INTERNAL", "a commit decided or reopened with no session finishing")
         case Idle(), (Abort() | WorkerLost() | SleepWeights() | CommitDone() | Failed() | VersionSet()):
             return Step(state=state)
         case Open(), Start():
@@ -159,7 +168,7 @@ def step(state: SessionState, event: Event) -> Step:
                 return _refuse(
                     state, "FAILED_PRECONDITION", f"session {sid} is not the open session {state.session_id}"
                 )
-            return Step(state=Committing(state.session_id, state.target, state.epoch, version))
+            return Step(state=Committing(state.session_id, state.target, state.epoch, version, state.updates))
         case Open(), Abort(session_id=sid):
             if _mismatch(state, sid):
                 return _refuse(
@@ -174,8 +183,10 @@ def step(state: SessionState, event: Event) -> Step:
                 "FAILED_PRECONDITION",
                 f"session {state.session_id} is open; finish or abort it before setting the version",
             )
-        case Open(), (CommitDone() | Decide()):
+        case Open(), (CommitDone() | Decide() | Reopen()):
             return _refuse(state, "INTERNAL", "commit reported for a session that is not finishing")
+        case Committing(), Reopen():
+            return Step(state=Open(state.session_id, state.target, state.epoch, state.updates))
         case Committing(), Decide(seq=seq):
             return Step(state=Decided(state.session_id, state.target, state.epoch, state.version, seq))
         case Committing(), CommitDone():

@@ -52,7 +52,7 @@ from rlbus.schemas import (
     tensor_checksums_problem,
     version_problem,
 )
-from rlbus.services.endpoints import Routes, after_reply
+from rlbus.services.endpoints import Routes, after_reply, claimed
 
 from rlbus.bus.confirmed import ConfirmedInOrder
 from rlbus.bus.once import once
@@ -113,9 +113,9 @@ class Updates:
 
     def routes(self, r: Routes) -> None:
         r.add(InitWeightTransfer, self.init_weight_transfer)
-        r.add(StartWeightUpdate, self.start_weight_update)
+        r.add(StartWeightUpdate, self.start_weight_update, claims_beside=True)
         r.add(UpdateWeights, self.update_weights)
-        r.add(FinishWeightUpdate, self.finish_weight_update, recover=self.decided_answer)
+        r.add(FinishWeightUpdate, self.finish_weight_update, recover=self.decided_answer, claims_beside=True)
         r.add(AbortWeightUpdate, self.abort_weight_update)
         r.add(UpdateWeightVersion, self.update_weight_version)
         r.add(GetWeightVersion, self.get_weight_version, read=True)
@@ -313,6 +313,7 @@ class Updates:
         self.leases.refuse_others(cmd.trainer_id, what)
         lapsed = self.leases.lapsed()
         if lapsed is not None and lapsed.trainer_id != cmd.trainer_id and isinstance(self.session, S.Open):
+            await claimed()  # a command claimed beside its handler aborts nothing before its claim lands
             await self._apply(
                 S.Abort(),
                 f"the push lease of trainer {lapsed.trainer_id!r} lapsed (it sent nothing for "
@@ -461,10 +462,11 @@ class Updates:
         step = self._advance(S.Start(session_id=sid, target=target, epoch=self.fleet.epoch))
         begin = stamped(StartWeightUpdateWorker, target=target, session_id=sid, base_seq=cmd.base_seq)
         try:
-            # the session's record and the push lease are kept beside the fan-out, durable before the
-            # answer (a controller that dies in between leaves a record its successor aborts everywhere)
+            # the start's claim, the session's record and the push lease are kept beside the fan-out,
+            # durable before the answer (a controller that dies in between leaves a record its
+            # successor aborts everywhere); a claim refused or found taken aborts what opened
             out = await alongside(
-                together(self._keep_open(sid), self.leases.persist()), self.fleet.send(begin, workers)
+                together(claimed(), self._keep_open(sid), self.leases.persist()), self.fleet.send(begin, workers)
             )
         except BaseException:  # the caller's deadline passed, or the store took no write: close what opened
             with anyio.CancelScope(shield=True):
@@ -566,6 +568,14 @@ class Updates:
         except BaseException:  # the caller's deadline passed: the session cannot stay Committing
             with anyio.CancelScope(shield=True):
                 await self._apply(S.Failed(reason="finish ran out of time"), "finish ran out of time in prepare")
+            raise
+        try:
+            # the finish's claim in the answer store, sent as it started, lands beside phase 1 (which
+            # only checks): nothing is decided, and no failure aborts the session, before it has
+            await claimed()
+        except BaseException:  # refused (no quorum), an earlier run answers, or the deadline: as before the finish
+            with anyio.CancelScope(shield=True):
+                await self._apply(S.Reopen(), "")
             raise
         if not prepared.ok:
             err = prepared.error("finish_weight_update (prepare)")

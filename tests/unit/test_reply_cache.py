@@ -9,7 +9,7 @@ import anyio
 import pytest
 from rlbus.schemas import Nack, reply_decoder
 from rlbus.schemas.errors import Unavailable
-from rlbus.services.endpoints import ReplyCache, StoredReply, after_reply
+from rlbus.services.endpoints import ClaimFound, ClaimRefused, ReplyCache, StoredReply, after_reply, claimed
 
 
 class DictReplies:
@@ -193,6 +193,89 @@ async def test_a_resend_that_waited_on_a_claim_the_store_refused_hears_that_refu
     assert store.claims == 1, "the resend started the store's whole patience over"
     await send()  # a send after the refusal tries the store again: quorum may be back
     assert store.claims == 2 and len(refused) == 3
+
+
+class GatedReplies(DictReplies):
+    """A store whose claims land when `landed` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed = anyio.Event()
+
+    async def claim(self, command_id: str, running: StoredReply) -> StoredReply | None:
+        await self.landed.wait()
+        return await super().claim(command_id, running)
+
+
+async def test_a_claim_beside_its_handler_lands_while_it_runs_and_the_handler_waits_for_it_before_it_decides():
+    store = GatedReplies()
+    cache = ReplyCache(durable=store)
+    steps: list[str] = []
+
+    async def work() -> bytes:
+        steps.append("checked")  # what it may do before the claim lands: only what it can undo
+        await claimed()
+        steps.append("decided")
+        return b"committed"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: cache.run("c1", "finish:x", work, durable=True, beside=True))
+        await anyio.wait_all_tasks_blocked()
+        assert steps == ["checked"], "the handler did not start before its claim landed, or decided before it"
+        store.landed.set()
+    assert steps == ["checked", "decided"]
+    store.gate.set()
+    await cache.settle("c1")
+    assert store.kept["c1"] == StoredReply("finish:x", b"committed")
+
+
+async def test_a_claim_beside_refused_by_the_store_answers_its_refusal_recorded_nowhere():
+    store = NoQuorumReplies()
+    store.gate.set()
+    cache = ReplyCache(durable=store)
+    undone: list[str] = []
+
+    async def work() -> bytes:
+        try:
+            await claimed()
+        except ClaimRefused:
+            undone.append("reopened")
+            raise
+        return b"committed"
+
+    with pytest.raises(Unavailable, match="no quorum"):
+        await cache.run("c1", "finish:x", work, durable=True, beside=True)
+    assert undone == ["reopened"] and "c1" not in store.kept
+    with pytest.raises(Unavailable):  # not recorded: a send after it tries the store again
+        await cache.run("c1", "finish:x", work, durable=True, beside=True)
+    assert store.claims == 2
+
+
+async def test_a_claim_beside_that_finds_an_earlier_run_answers_from_it_not_from_the_handler():
+    store = DictReplies()
+    store.kept["c1"] = StoredReply("finish:x", b"", answered=False, claim="a dead run")
+    cache = ReplyCache(durable=store)
+    gave_way: list[str] = []
+
+    async def work() -> bytes:
+        try:
+            await claimed()
+        except ClaimFound:
+            gave_way.append("reopened")
+            raise
+        return b"ran twice"
+
+    async def recover() -> bytes:
+        return b"what the earlier run left"
+
+    got = await cache.run("c1", "finish:x", work, durable=True, beside=True, recover=recover)
+    assert got == b"what the earlier run left" and gave_way == ["reopened"]
+    # a handler that refused before it reached the claim gives way to the earlier run too
+    cache = ReplyCache(durable=store)
+    got = await cache.run(
+        "c1", "finish:x", lambda: _answer(b"refused early"), durable=True, beside=True, recover=recover
+    )
+    assert got == b"what the earlier run left"
 
 
 async def test_a_resend_that_waited_on_a_gate_that_refused_the_command_hears_that_refusal_and_never_runs_it():

@@ -13,6 +13,7 @@ from rlbus.services.controller.session import (
     Finish,
     Idle,
     Open,
+    Reopen,
     SleepWeights,
     Start,
     Update,
@@ -47,6 +48,12 @@ TABLE = [
     (COMMITTING, WorkerLost("w0"), Idle(), None, True),
     (COMMITTING, Start("s2", "main", 1), None, "FAILED_PRECONDITION", False),
     (COMMITTING, Update(), None, "FAILED_PRECONDITION", False),
+    # a finish whose claim was refused (or an earlier run of it answers): open again, nothing aborted
+    (Committing("s1", "main", 1, "v1", 3), Reopen(), Open("s1", "main", 1, 3), None, False),
+    (Open("s1", "main", 1, 3), Finish("v1"), Committing("s1", "main", 1, "v1", 3), None, False),
+    (Idle(), Reopen(), None, "INTERNAL", False),
+    (OPEN, Reopen(), None, "INTERNAL", False),
+    (DECIDED, Reopen(), None, "FAILED_PRECONDITION", False),
     (Idle(), Decide(1), None, "INTERNAL", False),
     (OPEN, Decide(1), None, "INTERNAL", False),
     # from the decision on the outcome is commit: nothing aborts it
