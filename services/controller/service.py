@@ -221,6 +221,9 @@ class ControllerService:
         if orphan:  # a session a previous controller left open: it will be aborted on every worker
             log.warning("session %s was open when the last controller stopped; aborting it", orphan)
             await store.put_session(None)
+            self.updates.aborted(
+                orphan, f"it was open when the controller running it stopped; controller {self.id} took over"
+            )
         replies = await ReplyStore.open(
             self.nc,
             self.subjects.replies_bucket,

@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 import msgspec
 from rlbus.schemas import (
     DEFAULT_VERSION,
+    Aborted,
     AbortWeightUpdate,
     AbortWeightUpdateWorker,
     CommitDecision,
@@ -65,6 +67,9 @@ from .store import StateStore
 
 log = logging.getLogger("rlbus.controller.updates")
 
+ABORTED_KEPT = 64
+"""Aborted sessions remembered, to tell a late finish or update why its session is gone."""
+
 
 class Updates:
     def __init__(
@@ -94,6 +99,10 @@ class Updates:
         self.quarantined: dict[str, UpdateTarget] = {}
         """Workers that failed or missed a decided commit (of which target): withheld until they
         hold the committed bits of it."""
+        self._aborted: OrderedDict[str, str] = OrderedDict()
+        """The last sessions aborted (id: why): a finish or update that names one hears why
+        (ABORTED), not that no session is open. A finish whose controller stopped before its
+        claim landed has its retry answered so by the successor (which aborted the session)."""
         self.withhold: Callable[[list[str]], Awaitable[None]] = _nobody_withholds
         """Brings workers to the committed version (the service's SyncWorker): a worker that does not
         hold it stops serving generation."""
@@ -181,7 +190,19 @@ class Updates:
         """Weights are going to sleep (the caller holds the lock): no session survives that."""
         await self._apply(S.SleepWeights(), "weights went to sleep")
 
+    def aborted(self, sid: str, why: str) -> None:
+        """Remember that session `sid` was aborted, and why."""
+        self._aborted[sid] = why
+        while len(self._aborted) > ABORTED_KEPT:
+            self._aborted.popitem(last=False)
+
+    def _refuse_an_aborted_session(self, sid: str | None) -> None:
+        if sid is not None and sid != self.session_id and sid in self._aborted:
+            raise Aborted(f"session {sid} was aborted ({self._aborted[sid]}); nothing of it commits: push again")
+
     async def _abort_everywhere(self, sid: str | None, reason: str) -> None:
+        if sid is not None:
+            self.aborted(sid, reason)
         ids = self.fleet.registry.ids()
         if ids:
             await self.fleet.send(stamped(AbortWeightUpdateWorker, session_id=sid, reason=reason), ids)
@@ -496,6 +517,7 @@ class Updates:
     async def update_weights(self, cmd: UpdateWeights) -> FleetAck:
         async with self.fleet.lock:
             self.leases.refuse_others(cmd.trainer_id, "update_weights")
+            self._refuse_an_aborted_session(cmd.session_id)
             step = self._advance(S.Update(session_id=cmd.session_id))
             await self._keep_lease(cmd, "update_weights")
             elsewhere = {w: self.fleet.registry.state(w).transfer_group for w in self.fleet.ids()}
@@ -533,6 +555,7 @@ class Updates:
             raise InvalidArgument(problem)
         async with self.fleet.lock:
             self.leases.refuse_others(cmd.trainer_id, "finish_weight_update")
+            self._refuse_an_aborted_session(cmd.session_id)
             if cmd.weight_version is not None:
                 await self._refuse_a_used_version(cmd.weight_version)
             self._advance(S.Finish(version=cmd.weight_version, session_id=cmd.session_id))  # refused: nothing changed

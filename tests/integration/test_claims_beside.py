@@ -111,3 +111,66 @@ async def test_a_start_whose_claim_the_store_refuses_leaves_no_session_open_and_
     assert opened.session_id is not None and f.controller.updates.session_id == opened.session_id
     await rl.push.update(trained(12), None)
     assert (await rl.push.finish("v-started-again")).weight_version == "v-started-again"
+
+
+async def test_a_finish_whose_controller_died_before_its_claim_landed_is_answered_aborted_by_the_successor(
+    nats_server, prefix, raw, monkeypatch
+):
+    """Nothing was decided, so the successor aborts the session it finds open; the trainer's resend
+    (the same id) hears that, ABORTED naming the takeover, not that no session is open."""
+    subjects = Subjects(prefix=f"{prefix}-{uuid.uuid4().hex[:6]}")
+    options = ControllerOptions(subjects=subjects, command_timeout_s=10, state_patience_s=5.0, lease_s=1.0)
+    f = LocalFleet(nats_server.url)
+    rl = None
+    try:
+        await f.start_controller(options)
+        for wid in WORKERS:
+            await f.start_worker(
+                ReferenceEngine(MODEL),
+                WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend="gloo"),
+            )
+        await f.wait_for_workers(list(WORKERS))
+        rl = await RLClient.connect(nats_server.url, prefix=subjects.prefix, timeout=30.0)
+        rl.attempt_s = 1.0  # resend soon: the successor answers it
+        await rl.pause()
+        await rl.init_weight_transfer()
+        await rl.push.start("main")
+        await rl.push.update(trained(13), None)
+        sid = rl.push.session_id
+        in_prepare, release = anyio.Event(), anyio.Event()
+        updates = f.workers["w0"].updates
+        prepare = updates.prepare
+
+        async def held(*a, **k):
+            in_prepare.set()
+            await release.wait()
+            return await prepare(*a, **k)
+
+        monkeypatch.setattr(updates, "prepare", held)
+        await capped_bucket(raw, subjects.replies_bucket, True)  # the finish's claim cannot land
+        answered: list[BaseException] = []
+
+        async def finish() -> None:
+            try:
+                await rl.push.finish("v-never")
+            except rlbus.RLBusError as e:
+                answered.append(e)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(finish)
+                await in_prepare.wait()
+                assert f.controller is not None
+                await f.kill(f.controller)  # in phase 1, its claim not landed
+                release.set()
+                await capped_bucket(raw, subjects.replies_bucket, False)
+                await f.start_controller(options)
+        assert len(answered) == 1 and isinstance(answered[0], rlbus.Aborted), answered
+        assert sid is not None and sid in answered[0].message and "took over" in answered[0].message
+        info = await rl.server_info()
+        assert info.session_id is None and info.weight_version == "default"
+    finally:
+        await capped_bucket(raw, subjects.replies_bucket, False)
+        if rl is not None:
+            await rl.close()
+        await f.close()

@@ -139,8 +139,8 @@ async def test_a_trainer_that_stops_sending_loses_the_lease_and_its_session_once
     assert ack.weight_version is not None
     for wid in WORKERS:
         assert_holds(f, wid, trained(9))
-    with pytest.raises(rlbus.FailedPrecondition):
-        await a.finish_weight_update(new_version("too-late"))  # its session is gone
+    with pytest.raises(rlbus.Aborted, match="lapsed"):  # its session is gone, and the answer says why
+        await a.finish_weight_update(new_version("too-late"))
 
 
 async def test_a_push_whose_resume_is_refused_after_its_commit_says_it_committed_and_leaves_the_fleet_paused(
