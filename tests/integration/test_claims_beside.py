@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -29,20 +30,25 @@ from tests.weights_helpers import MODEL, VersionEvents, trained
 WORKERS = ("w0", "w1")
 
 
-@pytest.fixture
-async def fleet(nats_server, prefix, raw) -> AsyncIterator[tuple[LocalFleet, RLClient, Subjects]]:
-    subjects = Subjects(prefix=f"{prefix}-{uuid.uuid4().hex[:6]}")  # a store of its own: nothing left by another test
-    f = LocalFleet(nats_server.url)
+@asynccontextmanager
+async def running(
+    url: str, raw, prefix: str, **options: object
+) -> AsyncIterator[tuple[LocalFleet, RLClient, Subjects]]:
+    """A controller (`options`) and two workers on a store of their own (nothing left by another
+    test), a trainer that paused them and built the transfer group."""
+    subjects = Subjects(prefix=f"{prefix}-{uuid.uuid4().hex[:6]}")
+    opts = ControllerOptions(subjects=subjects, command_timeout_s=10, **options)  # type: ignore[arg-type]
+    f = LocalFleet(url)
     rl = None
     try:
-        await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10, state_patience_s=1.0))
+        await f.start_controller(opts)
         for wid in WORKERS:
             await f.start_worker(
                 ReferenceEngine(MODEL),
                 WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend="gloo"),
             )
         await f.wait_for_workers(list(WORKERS))
-        rl = await RLClient.connect(nats_server.url, prefix=subjects.prefix, timeout=30.0)
+        rl = await RLClient.connect(url, prefix=subjects.prefix, timeout=30.0)
         await rl.pause()
         await rl.init_weight_transfer()
         yield f, rl, subjects
@@ -51,6 +57,12 @@ async def fleet(nats_server, prefix, raw) -> AsyncIterator[tuple[LocalFleet, RLC
         if rl is not None:
             await rl.close()
         await f.close()
+
+
+@pytest.fixture
+async def fleet(nats_server, prefix, raw) -> AsyncIterator[tuple[LocalFleet, RLClient, Subjects]]:
+    async with running(nats_server.url, raw, prefix, state_patience_s=1.0) as fleet:
+        yield fleet
 
 
 def _prepares(f: LocalFleet, monkeypatch) -> dict[str, int]:
@@ -118,22 +130,9 @@ async def test_a_finish_whose_controller_died_before_its_claim_landed_is_answere
 ):
     """Nothing was decided, so the successor aborts the session it finds open; the trainer's resend
     (the same id) hears that, ABORTED naming the takeover, not that no session is open."""
-    subjects = Subjects(prefix=f"{prefix}-{uuid.uuid4().hex[:6]}")
-    options = ControllerOptions(subjects=subjects, command_timeout_s=10, state_patience_s=5.0, lease_s=1.0)
-    f = LocalFleet(nats_server.url)
-    rl = None
-    try:
-        await f.start_controller(options)
-        for wid in WORKERS:
-            await f.start_worker(
-                ReferenceEngine(MODEL),
-                WorkerOptions(worker_id=wid, subjects=subjects, heartbeat_s=0.25, weight_transfer_backend="gloo"),
-            )
-        await f.wait_for_workers(list(WORKERS))
-        rl = await RLClient.connect(nats_server.url, prefix=subjects.prefix, timeout=30.0)
+    options = dict(state_patience_s=5.0, lease_s=1.0)
+    async with running(nats_server.url, raw, prefix, **options) as (f, rl, subjects):
         rl.attempt_s = 1.0  # resend soon: the successor answers it
-        await rl.pause()
-        await rl.init_weight_transfer()
         await rl.push.start("main")
         await rl.push.update(trained(13), None)
         sid = rl.push.session_id
@@ -164,13 +163,8 @@ async def test_a_finish_whose_controller_died_before_its_claim_landed_is_answere
                 await f.kill(f.controller)  # in phase 1, its claim not landed
                 release.set()
                 await capped_bucket(raw, subjects.replies_bucket, False)
-                await f.start_controller(options)
+                await f.start_controller(ControllerOptions(subjects=subjects, command_timeout_s=10, **options))  # type: ignore[arg-type]
         assert len(answered) == 1 and isinstance(answered[0], rlbus.Aborted), answered
         assert sid is not None and sid in answered[0].message and "took over" in answered[0].message
         info = await rl.server_info()
         assert info.session_id is None and info.weight_version == "default"
-    finally:
-        await capped_bucket(raw, subjects.replies_bucket, False)
-        if rl is not None:
-            await rl.close()
-        await f.close()
