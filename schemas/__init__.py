@@ -76,7 +76,7 @@ from .state import (
     WorkerState,
     version_problem,
 )
-from .subjects import UNKNOWN_OP_QUEUE, KvKey, ServiceName, Subjects, check_token
+from .subjects import FIRST_SEND_HEADER, UNKNOWN_OP_QUEUE, KvKey, ServiceName, Subjects, check_token
 from .tensors import (
     BucketMeta,
     DeltaIndex,

@@ -158,3 +158,10 @@ class ServiceName:
 
 UNKNOWN_OP_QUEUE = "rlbus-unknown"
 """Queue group of the controller's catch-all endpoint (one controller answers an unknown op)."""
+
+FIRST_SEND_HEADER = "Rlbus-First-Send"
+"""Request header, "1" on the first send of a command whose id the sender made for that send
+(the SDK sets it; never on a resend). No earlier run of that id can exist, so the controller
+lands a pause's or a resume's claim (what makes a resend run once) beside its fan-out instead
+of before it. Without it the claim lands first: a sender that sets it on a resend may have
+its command run twice."""

@@ -15,7 +15,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Group
 from rlbus.schemas import (
+    FIRST_SEND_HEADER,
     MAX_COMMAND_BYTES,
     UNDECODABLE_STATUS,
     Aborted,
@@ -49,6 +50,9 @@ Gate = Callable[["Route[Any]", Any], Awaitable[None]]
 the same command already running has finished: its sends share one outcome); raises an
 RLBusError to refuse it, which is recorded nowhere."""
 
+Beside = bool | Literal["first_send"]
+"""When a route's claim lands beside its handler (Route.claims_beside)."""
+
 REPLY_MARGIN_S = 0.2
 """A command with a deadline is answered this long before it, so the answer reaches the caller."""
 
@@ -65,7 +69,7 @@ class Route(Generic[C]):
         inline: bool | Callable[[C], bool],
         read: bool,
         recover: Callable[[C], Awaitable[object | None]] | None = None,
-        claims_beside: bool = False,
+        claims_beside: Beside = False,
     ) -> None:
         self.kind = kind
         self.recover = recover
@@ -73,7 +77,10 @@ class Route(Generic[C]):
         """Its claim in the answer store is sent as it starts and lands beside its handler's first
         fan-out, not before it: the handler awaits it (`claimed`) before its first step that
         cannot be undone, and undoes what it did when the claim is refused or finds an earlier
-        run (a finish: its prepare checks only, and nothing is decided before the claim lands)."""
+        run (a finish: its prepare checks only, and nothing is decided before the claim lands).
+        "first_send": only on a send that says it is its id's first (FIRST_SEND_HEADER), which no
+        earlier run can precede: for a command whose run could not be taken back were it a
+        retry's second run (a pause's abort), and that is taken back when its claim is refused."""
         """Answers a retry of a command whose run stopped with its process before it answered,
         from the state that run left (e.g. a finish whose commit a successor completed)."""
         self.op = op_of(kind)
@@ -86,6 +93,13 @@ class Route(Generic[C]):
 
     def runs_inline(self, cmd: C) -> bool:
         return self.inline(cmd) if callable(self.inline) else self.inline
+
+    def beside(self, req: Request) -> bool:
+        """This send's claim lands beside its handler (see claims_beside)."""
+        if self.claims_beside == "first_send":
+            headers = req.headers
+            return headers is not None and headers.get(FIRST_SEND_HEADER) == "1"
+        return self.claims_beside
 
     def recovery(self, cmd: C) -> Callable[[], Awaitable[bytes | None]] | None:
         recover = self.recover
@@ -114,8 +128,10 @@ class Routes:
         inline: bool | Callable[[C], bool] = False,
         read: bool = False,
         recover: Callable[[C], Awaitable[object | None]] | None = None,
-        claims_beside: bool = False,
+        claims_beside: Beside = False,
     ) -> None:
+        if claims_beside and inline is not False:
+            raise ValueError(f"{op_of(kind)}: a command answered inline cannot claim beside its handler")
         route = Route(kind, handler, inline, read, recover, claims_beside)
         if route.op in self._by_op:
             raise ValueError(f"{route.op} is routed twice")
@@ -535,7 +551,8 @@ class Endpoints:
                 if self.replies.unsettled(command_id):  # never wait inside the callback
                     self._tg.start_soon(self.replies.settle, command_id)
             else:
-                self.spawn(req, lambda: self._answer(route, handler, cmd, print_, gate), command_id)
+                beside = route.beside(req)
+                self.spawn(req, lambda: self._answer(route, handler, cmd, print_, gate, beside), command_id)
 
         return on_request
 
@@ -589,7 +606,13 @@ class Endpoints:
             job = parked.job
 
     async def _answer(
-        self, route: Route[Any], handler: Handler, cmd: Any, print_: str, gate: Gate | None = None
+        self,
+        route: Route[Any],
+        handler: Handler,
+        cmd: Any,
+        print_: str,
+        gate: Gate | None = None,
+        beside: bool = False,
     ) -> bytes:
         """Run the command once per id (the reply cache), after `gate` let it through: a gate's
         refusal is recorded nowhere, and answers the sends of the command that waited on it."""
@@ -624,7 +647,7 @@ class Endpoints:
                 durable=not route.read,
                 recover=route.recovery(cmd),
                 gate=None if gate is None else lambda: gate(route, cmd),
-                beside=route.claims_beside,
+                beside=beside,
             )
         except RLBusError as e:  # refused by the gate, the id used for another command, no claim
             return encode(e.to_nack())

@@ -20,6 +20,10 @@ from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from rlbus.schemas import FIRST_SEND_HEADER
+
+_FIRST = {FIRST_SEND_HEADER: "1"}
+
 
 class ReplyInbox:
     """One connection's answers to its calls, routed by the last token of the reply subject."""
@@ -47,9 +51,10 @@ class ReplyInbox:
         if call is not None:
             call.arrived(msg)
 
-    def call(self) -> Call:
-        """A call: send it as often as it takes with `ask`; close it when done."""
-        call = Call(self, secrets.token_hex(8))
+    def call(self, fresh: bool = False) -> Call:
+        """A call: send it as often as it takes with `ask`; close it when done. `fresh`: its
+        command's id was made for this call (its first send says so, FIRST_SEND_HEADER)."""
+        call = Call(self, secrets.token_hex(8), fresh)
         self._calls[call.token] = call
         return call
 
@@ -70,10 +75,13 @@ def _nobody(msg: Msg) -> bool:
 class Call:
     """The sends of one command, answered on one reply subject."""
 
-    def __init__(self, inbox: ReplyInbox, token: str) -> None:
+    def __init__(self, inbox: ReplyInbox, token: str, fresh: bool = False) -> None:
         self._inbox = inbox
         self.token = token
         self._answer: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        self.sent = 0
+        self.fresh = fresh
+        """Its command's id was made for this call: the first send carries FIRST_SEND_HEADER."""
 
     def arrived(self, msg: Msg) -> None:
         """An answer to one of this call's sends. A real one replaces a no-responders that an
@@ -87,14 +95,17 @@ class Call:
     async def ask(self, subject: str, payload: bytes, timeout: float) -> Msg:
         """The answer to this call: one that arrived since the last send returns at once;
         otherwise send once more and wait up to `timeout` for an answer to this send or any
-        before it. Raises as nats-py's request does: NoRespondersError, TimeoutError."""
+        before it. Raises as nats-py's request does: NoRespondersError, TimeoutError. The first
+        send of a fresh call says it is one (FIRST_SEND_HEADER)."""
         if self._answer.done():
             if not _nobody(self._answer.result()):
                 return self._answer.result()
             self._answer = asyncio.get_running_loop().create_future()  # that no-responders is spent
         answer = self._answer
         prefix = await self._inbox._open()
-        await self._inbox.nc.publish(subject, payload, reply=prefix + self.token)
+        first = _FIRST if self.fresh and self.sent == 0 else None
+        self.sent += 1
+        await self._inbox.nc.publish(subject, payload, reply=prefix + self.token, headers=first)
         # asyncio.wait leaves the answer's future alone when it times out: a later send shares it
         await asyncio.wait((answer,), timeout=timeout)
         if not answer.done():

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 import rlbus.schemas as s
-from rlbus.schemas.subjects import KvKey, ServiceName
+from rlbus.schemas.subjects import FIRST_SEND_HEADER, KvKey, ServiceName
 
 PREFIX = "rl"
 
@@ -184,7 +184,9 @@ def render() -> str:
         "",
         "`command_id` must be unique per command; a retry resends the same id and bytes and gets the",
         "first answer (kept across a controller restart for state-changing commands). `timeout_s`",
-        "tells the controller how long the sender waits: it gives up no later.",
+        "tells the controller how long the sender waits: it gives up no later. A send may carry the",
+        f"header `{FIRST_SEND_HEADER}: 1` when it is the first send of an id made for it (never on a",
+        "resend): a `pause` or `resume` so marked is claimed beside its fan-out instead of before it.",
         "",
         f"Service discovery: `$SRV.PING|INFO|STATS.<name>` with names `{ServiceName.CONTROLLER}`, "
         f"`{ServiceName.WORKER}`, `{ServiceName.GENERATE}` (only workers taking generation traffic).",

@@ -155,7 +155,8 @@ class RLClient:
         t = min(timeout or self.timeout, _left())
         if command.trainer_id is None:  # who sends it: the push lease names its holder by it
             command = msgspec.structs.replace(command, trainer_id=self.trainer_id)
-        if not command.command_id:  # a retry of this command resends it as it is (same id, same bytes)
+        fresh = not command.command_id  # its first send says no earlier run of its id exists
+        if fresh:  # a retry of this command resends it as it is (same id, same bytes)
             command = msgspec.structs.replace(
                 command, command_id=uuid.uuid4().hex, timeout_s=round(t, 3) if t != float("inf") else None
             )
@@ -168,6 +169,7 @@ class RLClient:
             t,
             hint="start one with `rlbus up` or `rlbus controller`",
             resend=True,
+            fresh=fresh,
         )
 
     async def _ask(
@@ -181,11 +183,13 @@ class RLClient:
         decoder: Any = None,
         hint: str = "",
         resend: bool = False,
+        fresh: bool = False,
     ) -> T:
         """One request/reply within the deadline. Retries while nothing answers (within
         retry_s). With `resend` (a command deduplicated by its id) it also waits at most
         attempt_s per attempt and sends the same bytes again: a leader that froze or lost its
-        link does not hold the call, the next leader answers (or the same one, from its cache)."""
+        link does not hold the call, the next leader answers (or the same one, from its cache).
+        `fresh`: the command's id was made for this call (its first send says so)."""
         t = min(timeout or self.timeout, _left())
         if t <= 0:
             raise DeadlineExceeded(f"no time left for {op} within the caller's deadline")
@@ -194,7 +198,7 @@ class RLClient:
         nobody: Fault | None = None  # the last UNAVAILABLE (no responders, a link down): what a try cut short ends with
         # every send of this call is answered on one subject: an answer slower than one attempt
         # (a store riding out a node loss) still reaches the call after it sent again
-        call = self._replies.call()
+        call = self._replies.call(fresh)
         try:
             while True:
                 left = t - (time.monotonic() - start)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -58,7 +59,7 @@ from rlbus.schemas import (
     refuse,
 )
 from rlbus.schemas.codec import DecodeError
-from rlbus.services.endpoints import Endpoints, Gate, NotRunning, Route, Routes
+from rlbus.services.endpoints import ClaimOutcome, Endpoints, Gate, NotRunning, Route, Routes, claimed
 from rlbus.services.metrics import ControllerMetrics, MetricsServer
 
 from rlbus.bus.connection import stop_service
@@ -532,8 +533,9 @@ class ControllerService:
     def _routes(self) -> Routes:
         """The controller's dispatch table. server_info reads memory only: answered inline."""
         r = Routes()
-        r.add(Pause, self._pause)
-        r.add(Resume, self._resume)
+        # a first send's claim lands beside the fan-out; a refused one takes the fleet back
+        r.add(Pause, self._pause, claims_beside="first_send")
+        r.add(Resume, self._resume, claims_beside="first_send")
         r.add(IsPaused, self._status, read=True)
         r.add(Sleep, self._sleep)
         r.add(WakeUp, self._wake_up)
@@ -552,8 +554,41 @@ class ControllerService:
             await self.store.put_desired(desired)
             self._kv_desired = desired
 
+    @asynccontextmanager
+    async def _taken_back_unless_claimed(self) -> AsyncIterator[None]:
+        """Around a pause's or a resume's fan-out (under the lock): when its claim lands beside it
+        (its first send, Route.claims_beside), wait for the claim once the fan-out ended, answered
+        or failed. A claim the store refused (or that found an earlier run of the id) takes the
+        fleet back to the run state desired before, and the claim's outcome answers. What cannot
+        be taken back stays done: requests a pause aborted stay aborted (their callers saw them
+        end with finish reason "abort", as on any abort)."""
+        before = self.desired
+        try:
+            yield
+        except Exception:
+            await self._claimed_or_back(before)
+            raise
+        await self._claimed_or_back(before)
+
+    async def _claimed_or_back(self, before: FleetState) -> None:
+        try:
+            await claimed()
+        except ClaimOutcome as outcome:
+            if self.desired == before:  # it changed nothing to take back (a second pause, a refused resume)
+                raise
+            log.warning("%s; the fleet goes back to %s", outcome, "paused" if before.paused else "running")
+            try:
+                await self._desire(paused=before.paused, pause_mode=before.pause_mode, paused_since=before.paused_since)
+            except Exception as e:  # the store that refused the claim: the state is said again next time
+                log.warning("the run state taken back was not kept in the state store: %s", e)
+            back = stamped(PauseWorker, mode="keep") if before.paused else stamped(ResumeWorker)
+            out = await self.fleet.send(back)  # keep: a request that started meanwhile resumes later
+            if not out.ok:
+                log.warning("taking the fleet back: %s", out.failures)
+            raise
+
     async def _pause(self, cmd: Pause) -> FleetAck:
-        async with self.fleet.lock:
+        async with self.fleet.lock, self._taken_back_unless_claimed():
             out = await alongside(
                 self._desire(paused=True, pause_mode=cmd.mode, paused_since=self.desired.paused_since or time.time()),
                 self.fleet.send_all(stamped(PauseWorker, mode=cmd.mode), f"pause(mode={cmd.mode})"),
@@ -562,7 +597,7 @@ class ControllerService:
         return self.updates.ack(out)
 
     async def _resume(self, cmd: Resume) -> FleetAck:
-        async with self.fleet.lock:
+        async with self.fleet.lock, self._taken_back_unless_claimed():
             self.updates.refuse_resume()
             out = await alongside(
                 self._desire(paused=False, pause_mode=None, paused_since=None),

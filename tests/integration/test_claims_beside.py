@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import msgspec
 import pytest
-from rlbus.schemas import Subjects
+from rlbus.schemas import FleetState, KvKey, Nack, Pause, Subjects, encode, op_of, reply_decoder
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -65,18 +66,18 @@ async def fleet(nats_server, prefix, raw) -> AsyncIterator[tuple[LocalFleet, RLC
         yield fleet
 
 
-def _prepares(f: LocalFleet, monkeypatch) -> dict[str, int]:
-    """How many prepares each worker ran."""
+def _counted(f: LocalFleet, monkeypatch, owner: str, method: str) -> dict[str, int]:
+    """How many times each worker's `owner` (an attribute of its service) ran `method`."""
     counts = dict.fromkeys(WORKERS, 0)
     for wid in WORKERS:
-        updates = f.workers[wid].updates
-        prepare = updates.prepare
+        target = getattr(f.workers[wid], owner)
+        original = getattr(target, method)
 
-        async def counted(*a, _wid=wid, _prepare=prepare, **k):
+        async def counted(*a, _wid=wid, _original=original, **k):
             counts[_wid] += 1
-            return await _prepare(*a, **k)
+            return await _original(*a, **k)
 
-        monkeypatch.setattr(updates, "prepare", counted)
+        monkeypatch.setattr(target, method, counted)
     return counts
 
 
@@ -88,7 +89,7 @@ async def test_a_finish_whose_claim_the_store_refuses_leaves_its_session_open_an
     await rl.push.start("main")
     await rl.push.update(trained(11), None)
     sid = rl.push.session_id
-    prepares = _prepares(f, monkeypatch)
+    prepares = _counted(f, monkeypatch, "updates", "prepare")
     async with VersionEvents(rl) as events:
         await capped_bucket(raw, subjects.replies_bucket, True)
         with anyio.fail_after(20), pytest.raises(rlbus.Unavailable) as err:
@@ -168,3 +169,52 @@ async def test_a_finish_whose_controller_died_before_its_claim_landed_is_answere
         assert sid is not None and sid in answered[0].message and "took over" in answered[0].message
         info = await rl.server_info()
         assert info.session_id is None and info.weight_version == "default"
+
+
+async def _pause_sent_once_without_first_send_header(raw, subjects: Subjects) -> object:
+    """A pause as a client that does not say a send is its id's first sends it (no header)."""
+    msg = await raw.request(subjects.control(op_of(Pause)), encode(Pause(mode="keep", command_id=uuid.uuid4().hex)), 20)
+    return reply_decoder.decode(msg.data)
+
+
+async def test_a_pauses_first_send_runs_beside_its_claim_and_a_refused_claim_takes_the_fleet_back(
+    fleet, raw, monkeypatch
+):
+    """The SDK's first send of a pause says so (no earlier run of its id can exist), so its claim
+    lands beside the fan-out: with the claim refused the workers did pause, then went back to
+    running; the refusal answers, and nothing says the fleet is paused (memory, KV, workers)."""
+    f, rl, subjects = fleet
+    assert f.controller is not None
+    await rl.resume()
+    pauses = _counted(f, monkeypatch, "engine", "pause")
+    await capped_bucket(raw, subjects.replies_bucket, True)
+    with anyio.fail_after(20), pytest.raises(rlbus.Unavailable) as err:
+        await rl.pause("keep")
+    assert "_replies" in err.value.message, err.value.message
+    assert pauses == dict.fromkeys(WORKERS, 1), "the first send's fan-out did not run beside its claim"
+    assert not any(w.state().paused for w in f.workers.values()), "a refused pause left workers paused"
+    assert not f.controller.desired.paused
+    kv = await raw.jetstream().key_value(subjects.kv_bucket)
+    assert not msgspec.json.decode((await kv.get(KvKey.DESIRED)).value, type=FleetState).paused
+
+    # a send that does not say it is the first is claimed before anything runs: refused, it ran nothing
+    refused = await _pause_sent_once_without_first_send_header(raw, subjects)
+    assert isinstance(refused, Nack) and refused.code == "UNAVAILABLE", refused
+    assert pauses == dict.fromkeys(WORKERS, 1), "a send not said to be the first ran before its claim"
+
+    await capped_bucket(raw, subjects.replies_bucket, False)
+    await rl.pause("keep")
+    assert all(w.state().paused for w in f.workers.values())
+
+
+async def test_a_resumes_first_send_whose_claim_the_store_refuses_leaves_the_fleet_paused(fleet, raw):
+    f, rl, subjects = fleet
+    assert f.controller is not None
+    await capped_bucket(raw, subjects.replies_bucket, True)
+    with anyio.fail_after(20), pytest.raises(rlbus.Unavailable):
+        await rl.resume()
+    assert all(w.state().paused for w in f.workers.values()), "a refused resume left workers running"
+    assert f.controller.desired.paused
+    await capped_bucket(raw, subjects.replies_bucket, False)
+    await rl.resume()
+    assert not any(w.state().paused for w in f.workers.values())

@@ -20,6 +20,7 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NoKeysError
 from rlbus.schemas import (
+    FIRST_SEND_HEADER,
     CommitDecision,
     FinishWeightUpdate,
     FleetAck,
@@ -484,3 +485,31 @@ async def test_a_controller_killed_right_after_a_finish_answered_leaves_its_sess
         assert decision.published and decision.weight_version == published[-1]
         assert (await kv.get(KvKey.SESSION)).value == b"null" and (await kv.get(KvKey.PUSH_LEASE)).value == b"null"
         await rl.resume()
+
+
+async def test_only_the_first_send_of_a_command_whose_id_the_sdk_made_says_it_is_the_first(nats_server):
+    """FIRST_SEND_HEADER lets the controller land a pause's claim beside its fan-out: no earlier
+    run of the id can exist. A resend never says it, nor any send of a command whose id the
+    caller set (it may be a retry of a call that gave up)."""
+    prefix = "first-" + uuid.uuid4().hex[:6]
+    responder = await nats.connect(nats_server.url)
+    sends: list[tuple[str, str | None]] = []
+
+    async def never_answer(msg) -> None:
+        command = msgspec.json.decode(msg.data)
+        sends.append((command["command_id"], (msg.headers or {}).get(FIRST_SEND_HEADER)))
+
+    await responder.subscribe(Subjects(prefix=prefix).control(op_of(Pause)), cb=never_answer)
+    await responder.flush()
+    try:
+        async with await rlbus.RLClient.connect(nats_server.url, prefix=prefix, timeout=3) as rl:
+            rl.attempt_s = 0.1
+            for command in (Pause(mode="keep"), Pause(mode="keep", command_id=uuid.uuid4().hex)):
+                sends.clear()
+                with pytest.raises(rlbus.DeadlineExceeded):
+                    await rl.call(command, FleetAck, timeout=0.5)
+                assert len(sends) >= 2 and len({cid for cid, _ in sends}) == 1, sends
+                said = [first for _, first in sends]
+                assert said == (["1"] if not command.command_id else [None]) + [None] * (len(sends) - 1), said
+    finally:
+        await responder.close()
