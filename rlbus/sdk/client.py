@@ -39,6 +39,7 @@ from rlbus.schemas import (
     Subjects,
     TensorChecksum,
     Unavailable,
+    UpdateTarget,
     UpdateWeightVersion,
     VerifyWeights,
     VersionInfo,
@@ -437,7 +438,15 @@ class RLClient:
             fleet = [w.worker_id for w in paused.workers]
             if not self.push.ready or fleet != self.push.group or not all(w.transfer_ready for w in paused.workers):
                 await self.init_weight_transfer()  # no group yet, or the fleet changed since
-            await self.push.start("draft" if draft else "main", delta)
+            target: UpdateTarget = "draft" if draft else "main"
+            try:
+                await self.push.start(target, delta)
+            except FailedPrecondition:
+                if not await self._out_of_group():
+                    raise
+                # a repair since the pause: its receivers left its group with none; rebuild once
+                await self.init_weight_transfer()
+                await self.push.start(target, delta)
             opened = True  # only a session this client knows it opened is aborted (by its id)
             await self.push.update(named_tensors, bucket_bytes)
             return await self.push.finish(version)
@@ -445,6 +454,13 @@ class RLClient:
             with anyio.CancelScope(deadline=deadline, shield=True):  # the cleanup ends by the push's deadline
                 await self._undo(e, opened, resume=not found_paused, deadline=deadline)
             raise
+
+    async def _out_of_group(self) -> bool:
+        """A worker is out of the transfer group this client built: the controller repaired it
+        between the push's pause and its start (a repair's receivers leave its group with none)."""
+        init = self.push.init
+        info = await self.server_info()
+        return init is not None and any(w.state.transfer_group != init.group_name for w in info.workers)
 
     async def _undo(self, failure: BaseException, opened: bool, *, resume: bool, deadline: float) -> None:
         """After a failed push: abort its session (if it got that far), resume the fleet if the

@@ -205,6 +205,32 @@ async def test_a_worker_on_another_base_refuses_and_the_push_falls_back_to_dense
     assert_fleet_holds(f, named)
 
 
+async def test_a_repair_between_a_pushs_pause_and_its_start_leaves_the_push_to_rebuild_its_group(
+    fleet, master, monkeypatch
+):
+    """The controller repairs a worker that holds other bits than the commit; its receivers leave
+    the repair group with none, so a push whose start comes after such a repair finds them out of
+    the group it built (a CI run: FAILED_PRECONDITION "left transfer group" on the dense start
+    after the delta's refusal). The push rebuilds the group and commits."""
+    f, rl = fleet
+    await _push(rl, master)
+    w1 = f.workers["w1"]
+    committed = w1.book.main.seq
+    start = rl.push.start
+
+    async def after_a_repair(*a, **k):
+        monkeypatch.setattr(rl.push, "start", start)
+        w1.book.relabel(w1.book.main.version, committed + 7)  # paused: the repair runs at its next report
+        await eventually(lambda: w1.book.main.seq == committed, timeout=30, what="w1 repaired")
+        return await start(*a, **k)
+
+    monkeypatch.setattr(rl.push, "start", after_a_repair)
+    master.step()
+    named, st = await _push(rl, master)
+    assert st.committed
+    assert_fleet_holds(f, named)
+
+
 async def test_a_delta_refusal_names_the_worker_with_failed_precondition(fleet, master):
     f, rl = fleet
     await _push(rl, master)
