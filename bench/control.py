@@ -102,10 +102,6 @@ def worker_side(sides: dict[str, list]) -> Iterator[dict[str, float]]:
             sub._cb = cb
 
 
-COMMANDS_PER_ROUND = 2
-"""Pause and resume."""
-
-
 class Result:
     def __init__(self, per_round: list[float], sizes: dict[str, int], note: str = "") -> None:
         self.per_round = per_round

@@ -20,6 +20,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from rlbus.schemas import FleetEvent, VersionInfo, WorkerState
 
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -188,7 +189,7 @@ class LoopHistogram(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
-        les = [*(_le(b) for b in self.bounds), "+Inf"]
+        les = [floatToGoString(b) for b in (*self.bounds, math.inf)]  # as prometheus_client writes its bounds
         for labels, counts in list(self._counts.items()):
             snap = list(counts)
             total, cumulative = 0.0, []
@@ -197,11 +198,6 @@ class LoopHistogram(Collector):
                 cumulative.append((le, total))
             family.add_metric(list(labels), cumulative, snap[-1])
         yield family
-
-
-def _le(bound: float) -> str:
-    """A bucket's bound as Prometheus writes it (1.0, 0.025, +Inf)."""
-    return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
 class _ControllerState(Collector):
