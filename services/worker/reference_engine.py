@@ -62,9 +62,13 @@ class _Part:
         self.specs = {n: ParamSpec(p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
         self.backup: dict[str, torch.Tensor] = {}
         self.saved_buffers: dict[str, torch.Tensor] = {}
+        self.param_bytes = self._storage_bytes()
+        """Bytes of parameter storage resident (0 while the weights sleep). Every report of the
+        worker's state carries it: it is counted only where the storages are replaced (here, at
+        sleep and at wake; a load copies into them). Walking the parameters on every command's
+        ack cost ~240 us at 1 GiB (256 tensors), over ten times the rest of a command's path."""
 
-    @property
-    def param_bytes(self) -> int:
+    def _storage_bytes(self) -> int:
         return sum(p.untyped_storage().nbytes() for p in self.model.parameters())
 
     def sleep_weights(self, keep: bool) -> None:
@@ -78,6 +82,7 @@ class _Part:
             b.data = torch.empty(0, dtype=b.dtype, device=b.device)
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.param_bytes = self._storage_bytes()
         self.model.rotary.drop_tables()  # derived state goes with the weights
 
     def wake_weights(self) -> bool:
@@ -90,6 +95,7 @@ class _Part:
         for name, saved in self.saved_buffers.items():
             buffers[name].data = saved
         self.backup, self.saved_buffers = {}, {}
+        self.param_bytes = self._storage_bytes()
         self.rebuild_derived()
         return restored
 
