@@ -153,6 +153,8 @@ class KVCache:
         self.dtype = dtype
         self.k = torch.empty(0)
         self.v = torch.empty(0)
+        self.nbytes = 0
+        """Bytes of cache storage held: counted where it changes (a worker reports it per command)."""
         self.allocate()
 
     @property
@@ -163,16 +165,17 @@ class KVCache:
     def allocate(self) -> None:
         self.k = torch.zeros(self.shape, dtype=self.dtype)
         self.v = torch.zeros(self.shape, dtype=self.dtype)
+        self._counted()
 
     def free(self) -> None:
         """Release the storage (not just a flag): the tensors become empty."""
         self.k = torch.empty(0, dtype=self.dtype)
         self.v = torch.empty(0, dtype=self.dtype)
+        self._counted()
+
+    def _counted(self) -> None:
+        self.nbytes = self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
 
     @property
     def allocated(self) -> bool:
         return self.k.numel() > 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()

@@ -169,12 +169,14 @@ class ReferenceEngine(Engine):
         return self._weights_loaded
 
     @property
-    def param_bytes(self) -> int:
-        return sum(p.param_bytes for p in self._parts())
+    def param_bytes(self) -> int:  # in every ack: no list, no generator
+        draft = self.draft
+        return self.main.param_bytes + (draft.param_bytes if draft is not None else 0)
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(p.kv.nbytes for p in self._parts())
+        draft = self.draft
+        return self.main.kv.nbytes + (draft.kv.nbytes if draft is not None else 0)
 
     def _active(self) -> int:
         return len(self._running)

@@ -261,32 +261,42 @@ async def test_sleep_level_2_discards_weights_and_generation_is_refused_until_we
     assert await tokens_of(engine) == before
 
 
-async def test_param_bytes_is_the_resident_storage_after_every_sleep_wake_and_load():
-    """Counted where the storages change, not on every report: it must still match a walk over
-    the parameters (verifier and draft) after each step that could change them."""
+async def test_param_and_cache_bytes_are_the_resident_storage_after_every_sleep_wake_and_load():
+    """Counted where the storages change, not on every report: they must still match a walk over
+    the storages (verifier and draft) after each step that could change them."""
     engine = ReferenceEngine(
         CFG, draft_config=ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, max_seq_len=256, seed=1)
     )
-    parts = [engine.model, engine.draft.model]  # type: ignore[union-attr]
+    assert engine.draft is not None
+    parts = [engine.main, engine.draft]
 
-    def walked() -> int:
-        return sum(p.untyped_storage().nbytes() for m in parts for p in m.parameters())
+    def walked() -> tuple[int, int]:
+        params = sum(p.untyped_storage().nbytes() for part in parts for p in part.model.parameters())
+        caches = sum(t.untyped_storage().nbytes() for part in parts for t in (part.kv.k, part.kv.v))
+        return params, caches
+
+    def reported() -> tuple[int, int]:
+        s = engine.status()
+        return s.param_bytes, s.kv_cache_bytes
 
     weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     steps = [
         lambda: engine.sleep(1, ["weights"]),
         lambda: engine.wake_up(["weights"]),
+        lambda: engine.sleep(1, ["kv_cache"]),
+        lambda: engine.wake_up(["kv_cache"]),
         lambda: engine.sleep(2, ["weights", "kv_cache"]),
         lambda: engine.wake_up(["weights", "kv_cache"]),
         lambda: engine.load_weights("main", weights),
     ]
-    seen = [engine.status().param_bytes]
-    assert seen[0] == walked() > 0
+    seen = [reported()]
+    assert seen[0] == walked() and min(seen[0]) > 0
     for step in steps:
         await step()
-        seen.append(engine.status().param_bytes)
+        seen.append(reported())
         assert seen[-1] == walked()
-    assert seen == [seen[0], 0, seen[0], 0, seen[0], seen[0]]
+    full, (params, caches) = seen[0], seen[0]
+    assert seen == [full, (0, caches), full, (params, 0), full, (0, 0), full, full]
 
 
 async def test_sleeping_only_the_kv_cache_keeps_weights_resident(engine):
