@@ -1,10 +1,13 @@
 """Control-plane benchmark: rlbus pause+resume rounds against a raw NATS scatter-gather.
 
     python bench/control.py [--workers 1,8,64,256] [--rounds 40] [--per-conn 16] [--profile 64]
+                            [--engine weightless|reference]
 
 For each fleet size N, in one process on one event loop, against one embedded nats-server:
   rlbus  a ControllerService and N real WorkerServices (engine: bench/weightless.py, so no
-         torch work); one round = RLClient.pause("abort") + RLClient.resume(), i.e.
+         torch work; --engine reference: the reference engine `rlbus worker` runs, each worker a
+         TinyLM of the same 256 tensors as the README's 1 GiB model but tiny ones, so that what
+         the engine does per command, such as its status, is in the round); one round = RLClient.pause("abort") + RLClient.resume(), i.e.
          trainer -> controller -> N workers -> controller -> trainer, twice.
   raw    the same shape with no rlbus code: a "controller" subscriber that, per request,
          nc.request()s N raw responders concurrently (asyncio.gather) and replies once all
@@ -56,10 +59,13 @@ import nats
 from nats.js.api import KeyValueConfig, StorageType
 from rlbus.schemas import PauseWorker, Subjects, WorkerAck, encode
 from rlbus.services.controller.service import ControllerOptions, ControllerService
+from rlbus.services.worker.engine import Engine
+from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions, WorkerService
 from weightless import WeightlessEngine
 
 from rlbus.bus.connection import connect
+from rlbus.models.tinylm import ModelConfig
 from rlbus.runners.natsserver import NatsServer
 from rlbus.sdk.client import RLClient
 
@@ -71,6 +77,13 @@ GOAL_NS, GOAL_RATIO, GOAL_SESSION = (8, 64), 1.3, 2.0
 """Issue #27: a round <= 1.3x raw at N = 8 and 64; an empty session <= 2x its raw equivalent."""
 KV_PUTS = 10
 """KV puts timed after each block."""
+REFERENCE_MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=21, n_heads=4, max_seq_len=16)
+"""--engine reference: 21 layers, so 256 tensors as in the 1 GiB TinyLM bench/push.py pushes
+(what an engine does per tensor is in the round), of a few KiB each (64 of them fit in memory)."""
+
+
+def make_engine(kind: str) -> Engine:
+    return ReferenceEngine(REFERENCE_MODEL, max_concurrency=1) if kind == "reference" else WeightlessEngine()
 
 
 @contextmanager
@@ -154,7 +167,7 @@ async def _discovered(nc, name: str, wait: float = 0.5) -> int:
 
 
 @asynccontextmanager
-async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Side]:
+async def rlbus_fleet(url: str, n: int, per_conn: int, engine: str = "weightless") -> AsyncIterator[Side]:
     """A controller and n real WorkerServices on one event loop, and a trainer's RLClient."""
     subjects = Subjects(prefix=f"b{n}x{uuid.uuid4().hex[:6]}")
     ctrl_nc = await connect(url, name="bench-controller")
@@ -162,7 +175,7 @@ async def rlbus_fleet(url: str, n: int, per_conn: int) -> AsyncIterator[Side]:
     wconns = await _conns(url, n, per_conn, "worker")
     controller = ControllerService(ctrl_nc, ControllerOptions(subjects=subjects))
     workers = [
-        WorkerService(wconns[i % len(wconns)], WeightlessEngine(), WorkerOptions(worker_id=f"w{i}", subjects=subjects))
+        WorkerService(wconns[i % len(wconns)], make_engine(engine), WorkerOptions(worker_id=f"w{i}", subjects=subjects))
         for i in range(n)
     ]
     rl = RLClient(trainer_nc, subjects=subjects, timeout=60)
@@ -287,12 +300,12 @@ async def kv_putter(url: str) -> AsyncIterator[Callable[[], Awaitable[None]]]:
 
 
 async def measure(
-    url: str, n: int, rounds: int, per_conn: int, profiler: cProfile.Profile | None
+    url: str, n: int, rounds: int, per_conn: int, profiler: cProfile.Profile | None, engine: str = "weightless"
 ) -> tuple[Result, Result, Result]:
     """Both fleets up at once; rounds alternate between them in blocks (rlbus, raw, rlbus, ...),
     so a slow spell of a shared machine hits both alike; KV puts are timed after each block."""
     async with (
-        rlbus_fleet(url, n, per_conn) as rl,
+        rlbus_fleet(url, n, per_conn, engine) as rl,
         raw_fleet(url, n, per_conn, rl.sizes) as raw,
         raw_fleet(url, n, per_conn, rl.sizes, durable=True) as durable,
         kv_putter(url) as kv_put,
@@ -378,14 +391,14 @@ async def amain(a: argparse.Namespace) -> None:
     )
     print(
         f"rounds {a.rounds} (+{WARMUP} warm-up), round = pause(abort) + resume, "
-        f"{a.per_conn} workers per NATS connection, all in one process / event loop"
+        f"{a.per_conn} workers per NATS connection, all in one process / event loop; workers' engine: {a.engine}"
     )
     rows = []
     with NatsServer() as server:
         for n in ns:
             prof = cProfile.Profile() if a.profile == n else None
             t0 = time.monotonic()
-            rl, raw, kv = await measure(server.url, n, a.rounds, a.per_conn, prof)
+            rl, raw, kv = await measure(server.url, n, a.rounds, a.per_conn, prof, a.engine)
             rows.append((n, rl, raw, kv))
             print(
                 f"  N={n:<4d} done in {time.monotonic() - t0:5.1f}s  ({rl.note}; payload bytes: {rl.sizes})", flush=True
@@ -447,6 +460,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--per-conn", type=int, default=16, help="workers sharing one NATS connection")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the rlbus rounds at this N")
+    ap.add_argument(
+        "--engine",
+        default="weightless",
+        choices=["weightless", "reference"],
+        help="the workers' engine: no torch work, or the reference engine with 256 small tensors",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     anyio.run(amain, a)
