@@ -85,12 +85,14 @@ def test_the_committed_segment_is_the_checkpoint_and_a_write_reaches_every_mappi
     original = read_tensors(source)
     assert writer.tensors.keys() == original.keys()
     assert all(torch.equal(writer.tensors[n], t) for n, t in original.items())
+    assert reader.nbytes == sum(t.numel() * t.element_size() for t in original.values()) > 0
     name = "model.norm.weight"
     writer.write({name: torch.full_like(original[name], 7.0)})
     assert torch.equal(reader.tensors[name], torch.full_like(original[name], 7.0)), "the other mapping sees it"
     assert torch.equal(read_tensors(home)[name], reader.tensors[name]), "and so does a restart from the folder"
     writer.close()
     reader.close()
+    assert reader.nbytes == 0 and not reader.tensors
 
 
 def test_a_sweep_removes_only_the_segments_of_processes_that_are_gone(tmp_path):

@@ -86,10 +86,8 @@ class Segment:
             b, e = info["data_offsets"]
             flat = torch.frombuffer(self._map, dtype=torch.uint8, count=e - b, offset=start + b)
             self.tensors[name] = flat.view(dtype).reshape(info["shape"])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """The committed tensors' bytes, counted once: a worker reports them in every command's ack."""
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Make `tensors` the committed bits of their names (each already checked against the
@@ -100,7 +98,7 @@ class Segment:
                 dst.copy_(t)
 
     def close(self) -> None:
-        self.tensors = {}
+        self.tensors, self.nbytes = {}, 0
         try:
             self._map.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it
