@@ -263,7 +263,8 @@ async def test_sleep_level_2_discards_weights_and_generation_is_refused_until_we
 
 async def test_param_and_cache_bytes_are_the_resident_storage_after_every_sleep_wake_and_load():
     """Counted where the storages change, not on every report: they must still match a walk over
-    the storages (verifier and draft) after each step that could change them."""
+    the storages (verifier and draft) after each step that could change them, and the tensors a
+    receive writes into must still be the model's."""
     engine = ReferenceEngine(
         CFG, draft_config=ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, max_seq_len=256, seed=1)
     )
@@ -277,6 +278,10 @@ async def test_param_and_cache_bytes_are_the_resident_storage_after_every_sleep_
 
     def reported() -> tuple[int, int]:
         s = engine.status()
+        for target, part in (("main", engine.main), ("draft", engine.draft)):  # what a receive writes into
+            live = engine.parameters_of(target)
+            held = dict(part.model.named_parameters())
+            assert live.keys() == held.keys() and all(live[n].data_ptr() == p.data_ptr() for n, p in held.items())
         return s.param_bytes, s.kv_cache_bytes
 
     weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
