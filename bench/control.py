@@ -6,9 +6,10 @@
 For each fleet size N, in one process on one event loop, against one embedded nats-server:
   rlbus  a ControllerService and N real WorkerServices (engine: bench/weightless.py, so no
          torch work; --engine reference: the reference engine `rlbus worker` runs, each worker a
-         TinyLM of the same 256 tensors as the README's 1 GiB model but tiny ones, so that what
-         the engine does per command, such as its status, is in the round); one round = RLClient.pause("abort") + RLClient.resume(), i.e.
-         trainer -> controller -> N workers -> controller -> trainer, twice.
+         TinyLM with the 256 tensors of the README's 1 GiB model, tiny ones, so that what the
+         engine does per command, such as its status, is in the round); one round =
+         RLClient.pause("abort") + RLClient.resume(), i.e. trainer -> controller -> N workers ->
+         controller -> trainer, twice.
   raw    the same shape with no rlbus code: a "controller" subscriber that, per request,
          nc.request()s N raw responders concurrently (asyncio.gather) and replies once all
          answered; the client sends 2 sequential requests per round. Payload sizes match

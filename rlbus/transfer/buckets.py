@@ -57,9 +57,9 @@ def torch_dtype(name: str) -> torch.dtype:
         raise UnsupportedDType(f"unknown dtype {name!r}; supported: {sorted(_TO_TORCH)}") from None
 
 
-def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes of a dense tensor of this dtype and shape."""
-    return math.prod(shape) * torch_dtype(dtype).itemsize
+def itemsize(dtype: str) -> int:
+    """Bytes of one element of a wire dtype; UnsupportedDType for an unknown name."""
+    return _ITEMSIZE.get(dtype) or torch_dtype(dtype).itemsize
 
 
 VALUES_ALIGN = 8
@@ -74,15 +74,15 @@ def delta_index_nbytes(index: str, changed: int, numel: int) -> int:
 def delta_layout_problem(m: ParamMeta) -> str | None:
     """Why a delta ParamMeta's sizes are inconsistent (None when they agree with each other)."""
     numel = math.prod(m.shape)
-    itemsize = torch_dtype(m.dtype).itemsize
+    size = itemsize(m.dtype)
     if not 1 <= m.changed <= numel:
         return f"changed {m.changed} outside 1..{numel}"
     if m.index_nbytes != delta_index_nbytes(m.index, m.changed, numel):
         return f"index_nbytes {m.index_nbytes} does not match {m.index} for {m.changed} of {numel} elements"
     if m.values_offset != align_up(m.index_nbytes, VALUES_ALIGN):
         return f"values_offset {m.values_offset} is not index_nbytes rounded up to {VALUES_ALIGN}"
-    if m.nbytes != m.values_offset + m.changed * itemsize:
-        return f"nbytes {m.nbytes} != values_offset + changed x {itemsize}"
+    if m.nbytes != m.values_offset + m.changed * size:
+        return f"nbytes {m.nbytes} != values_offset + changed x {size}"
     if m.offset % VALUES_ALIGN:
         return f"offset {m.offset} is not a multiple of {VALUES_ALIGN}"
     return None
@@ -272,7 +272,7 @@ def validate(params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]) -> None
         if b.nbytes < 0:
             raise PlanError(f"bucket {i} has negative size")
     # one loop over every tensor of a command (hundreds, or thousands for a mixture of experts)
-    # on each worker before any byte moves: lookups hoisted, no call per tensor on the dense path
+    # on each worker before any byte moves: the meta's fields and the bucket sizes read once
     sizes = [b.nbytes for b in buckets]
     count = len(sizes)
     names: set[str] = set()
@@ -284,19 +284,16 @@ def validate(params: Sequence[ParamMeta], buckets: Sequence[BucketMeta]) -> None
         if shape and min(shape) < 0:
             raise PlanError(f"tensor {name!r} has a negative dimension")
         dense = m.encoding == "dense"
-        itemsize = 1
-        if dense:
-            # an unknown dtype: torch_dtype raises UnsupportedDType naming the supported ones
-            itemsize = _ITEMSIZE.get(m.dtype) or torch_dtype(m.dtype).itemsize
-            if math.prod(shape) * itemsize != nbytes:
-                raise PlanError(f"tensor {name!r}: nbytes {nbytes} does not match {m.dtype}{shape}")
-        elif problem := delta_layout_problem(m):
+        size = itemsize(m.dtype) if dense else 1
+        if dense and math.prod(shape) * size != nbytes:
+            raise PlanError(f"tensor {name!r}: nbytes {nbytes} does not match {m.dtype}{shape}")
+        if not dense and (problem := delta_layout_problem(m)):
             raise PlanError(f"delta of tensor {name!r}: {problem}")
         if not 0 <= bucket < count:
             raise PlanError(f"tensor {name!r} names bucket {bucket}, there are {count}")
         if offset < 0 or offset + nbytes > sizes[bucket]:
             raise PlanError(f"tensor {name!r} lies outside bucket {bucket}")
-        if offset % itemsize:
+        if offset % size:
             raise PlanError(f"tensor {name!r} is misaligned for {m.dtype}")
     for group in by_bucket(params, len(buckets)):
         for a, b in zip(group, group[1:]):
