@@ -47,6 +47,7 @@ from rlbus.transfer import (
 from rlbus.transfer.buckets import as_bytes, torch_dtype
 from rlbus.transfer.checksum import checksum
 from rlbus.transfer.stream import alloc_buffers, scratch_bytes
+from rlbus.transfer.torchdist import TorchDistTrainer, TorchDistWorker
 
 BUCKET = 16 << 20
 SHM_BUCKET = 128 << 20
@@ -79,9 +80,21 @@ def worker_main() -> None:
             pass
 
 
+BASELINES = ("raw", "chunked", "landed", "naive")
+"""The kinds that measure a limit rather than rlbus: over gloo they move every buffer as one
+broadcast, the plain torch.distributed way (rlbus's gloo groups send to each rank instead)."""
+
+
+def transfer_for(backend: str, kind: str, trainer: bool):
+    """The transfer a kind runs over: rlbus's own, or broadcasts for a gloo baseline."""
+    if backend == "gloo" and kind in BASELINES:
+        return TorchDistTrainer("gloo", broadcasts=True) if trainer else TorchDistWorker("gloo", broadcasts=True)
+    return trainer_transfer(backend) if trainer else worker_transfer(backend)  # type: ignore[arg-type]
+
+
 def serve_one(cmd: dict) -> None:
     init = msgspec.json.decode(cmd["init"].encode(), type=TransferInit)
-    rx = worker_transfer(init.backend)
+    rx = transfer_for(init.backend, cmd["kind"], trainer=False)
     kind = cmd["kind"]
     if kind in ("raw", "shm", "chunked"):
         bufs = alloc_buffers(max(cmd["sizes"]), 1 if len(cmd["sizes"]) == 1 else 2)
@@ -151,7 +164,7 @@ class ReceiverPool:
 
     def run(self, r: int, backend: str, kind: str, reps: int, send, **extra) -> float:
         """Best seconds from trainer start to the last receiver's finish, over reps (after a warm-up)."""
-        tx = trainer_transfer(backend)  # type: ignore[arg-type]
+        tx = transfer_for(backend, kind, trainer=True)
         init = tx.bind(
             TransferInit(
                 backend=backend,

@@ -7,7 +7,7 @@ bucket leaves and hands the list on afterwards (the SDK sends it with
 compares it with what it hashed before it reports "staged and verified"):
 
 * :func:`send_stream` — the default: bucket ``k+1`` is packed and hashed while bucket
-  ``k`` is on the wire (at most two in flight), in two reusable scratch buffers, so the
+  ``k`` is on the wire (up to SEND_DEPTH in flight), in two reusable scratch buffers, so the
   trainer reads each byte of the model once to pack and once to hash, holds two buckets
   of extra memory, and sends its first byte after hashing one bucket, not the model.
   A bucket that is exactly one contiguous tensor is sent from the tensor itself.
@@ -47,6 +47,12 @@ from rlbus.transfer.buckets import align_up, by_bucket, copy_out, pack, plan, un
 from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+SEND_DEPTH = 8
+"""Buckets the trainer keeps in flight at once. Those packed into scratch take one of its two
+scratch buffers and wait for it; those sent from their tensors' own memory cost no memory in
+flight. Eight, not two: 1 GiB as 4 MiB point-to-point sends over gloo, hashed on both ends
+(a scratch script, best of five, R = 1/2/3): 329 / 596 / 892 ms with eight in flight against
+390 / 697 / 944 as broadcasts with two, and 360 / 574 / 812 as 16 MiB broadcasts with two."""
 Named = Sequence[tuple[str, torch.Tensor]]
 Sink = Callable[[str, torch.Tensor], None]
 
@@ -171,7 +177,7 @@ def send_stream(
     against the commit's manifest).
 
     Bucket ``k+1`` is packed (into one of two scratch buffers) and hashed while bucket
-    ``k`` is on the wire; at most two buckets are in flight. ``scratch``: two buffers of
+    ``k`` is on the wire; at most SEND_DEPTH buckets are in flight, two of them packed. ``scratch``: two buffers of
     at least :func:`scratch_bytes` each (allocated here if missing or too small); for the
     shm backend, buffers from ``tx.alloc`` that workers copy straight out of, with
     ``pack_every_bucket`` so that no bucket is sent from the tensor's private memory
@@ -204,7 +210,7 @@ def send_stream(
             buf = buf.to(dev)  # type: ignore[union-attr]  # staged: hashed and sent from the group's device
         if hash_buckets:
             sums.append(checksum(buf, kind, seed=k - first))  # type: ignore[arg-type]
-        if len(window) == 2:
+        if len(window) == SEND_DEPTH:
             window.pop(0)[0].wait()
         window.append((tx.send(buf), buf))  # type: ignore[arg-type]
         if packed:
@@ -242,10 +248,10 @@ def pack_all(
 
 
 def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
-    """Send ready byte buffers in order, at most two in flight; returns when all are sent."""
+    """Send ready byte buffers in order, at most SEND_DEPTH in flight; returns when all are sent."""
     window: list[Handle] = []
     for buf in buffers:
-        if len(window) == 2:
+        if len(window) == SEND_DEPTH:
             window.pop(0).wait()
         window.append(tx.send(buf))
     for h in window:
@@ -253,14 +259,17 @@ def send_all(tx: TrainerTransfer, buffers: Sequence[torch.Tensor]) -> None:
 
 
 Landing = Callable[[BucketMeta, Sequence[ParamMeta]], "torch.Tensor | None"]
+_Posted = tuple["torch.Tensor | None", "torch.Tensor | None", "Handle | ViewHandle", "torch.Tensor | None"]
+"""A receive in flight: where it lands (None: a view), the landing buffer to fill after it, its
+handle, and the scratch buffer it took (None: none)."""
 
-RECV_DEPTH = 2
-"""Receives a worker keeps posted at once: 1 or 2 (it has two scratch buffers); over shm, one
-(a view is no wire). gloo sends a bucket's bytes only once the receiver has posted its receive;
-with one posted, the wire stood idle between buckets while the worker woke up and posted the
-next (1 GiB in 4 MiB broadcasts at R = 1: 501 -> 472 ms, in 16 MiB ones 441 -> 422 ms, best of
-8, bench/transfer.py's receiver). So bucket ``k+1`` is already posted while ``k`` arrives, and
-``k+2`` is posted into ``k``'s scratch buffer once ``k`` was copied out."""
+RECV_DEPTH = SEND_DEPTH
+"""Receives a worker keeps posted at once (over shm, one: a view is no wire). gloo sends a
+bucket's bytes only once the receiver has posted its receive; with one posted, the wire stood
+idle between buckets while the worker woke up and posted the next (1 GiB in 4 MiB broadcasts at
+R = 1: 501 -> 472 ms with two posted). Buckets that land in their own memory (a live parameter,
+a staged copy) are posted up to this many ahead; those received into scratch, to be copied out,
+take one of two scratch buffers, and wait for one to be copied out."""
 
 
 def recv_buckets(
@@ -307,46 +316,74 @@ def recv_buckets(
         return sums
     bufs: list[torch.Tensor] = []
 
-    def scratch_for(k: int) -> torch.Tensor:
+    def scratch_for() -> list[torch.Tensor]:
         # allocated (and pre-touched) only once a bucket has no landing buffer of its own
-        if not bufs:
-            usable = scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest
-            if not usable:
-                fresh = alloc_buffers(biggest, device=transfer_device(rx))
-                if scratch is not None:  # the caller keeps them for its next receive
-                    scratch[:] = fresh
-                bufs.extend(fresh)
-            else:
-                bufs.extend(scratch)  # type: ignore[arg-type]
-        return bufs[k % 2][: buckets[k].nbytes]
+        usable = scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest
+        if not usable:
+            fresh = alloc_buffers(biggest, device=transfer_device(rx))
+            if scratch is not None:  # the caller keeps them for its next receive
+                scratch[:] = fresh
+            bufs.extend(fresh)
+        else:
+            bufs.extend(scratch[:2])  # type: ignore[index]
+        return list(bufs)
 
     shared = rx if isinstance(rx, SharedMemoryWorker) else None
     dev = transfer_device(rx)
+    lands: dict[int, torch.Tensor | None] = {}  # a bucket's landing buffer, asked for once
 
-    def post(k: int) -> tuple[torch.Tensor | None, torch.Tensor | None, Handle | ViewHandle]:
+    def landing_of(k: int) -> torch.Tensor | None:
+        if k not in lands:
+            got = landing(buckets[k], per_bucket[k]) if landing is not None else None
+            if got is not None and not (
+                got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous()
+            ):
+                got = None
+            lands[k] = got
+        return lands[k]
+
+    def needs_scratch(k: int) -> bool:
+        got = landing_of(k)
+        return shared is None and not (got is not None and got.device == dev)
+
+    def post(k: int) -> _Posted:
         """Start receiving bucket k: into its landing buffer (the tensor's final memory) if
         it has one on the group's device, else as a view where the transport holds it (shm: no
-        copy at all; None), else into scratch, to be copied out. A landing buffer elsewhere
-        (a host copy over NCCL) is filled once the bucket was hashed on the group's device."""
-        got = landing(buckets[k], per_bucket[k]) if landing is not None else None
-        if got is not None and not (
-            got.numel() == buckets[k].nbytes and got.dtype == torch.uint8 and got.is_contiguous()
-        ):
-            got = None
+        copy at all; None), else into a free scratch buffer, to be copied out. A landing buffer
+        elsewhere (a host copy over NCCL) is filled once the bucket was hashed on the group's
+        device. The last item: the scratch buffer taken, to be freed once copied out."""
+        got = lands.pop(k)
         if got is not None and got.device == dev:
-            return got, None, rx.recv(got)
+            return got, None, rx.recv(got), None
         if shared is not None:
-            return None, got, shared.recv_view(buckets[k].nbytes)
-        buf = scratch_for(k)
-        return buf, got, rx.recv(buf)
+            return None, got, shared.recv_view(buckets[k].nbytes), None
+        whole = free.pop()
+        buf = whole[: buckets[k].nbytes]
+        return buf, got, rx.recv(buf), whole
 
+    free: list[torch.Tensor] = []
     depth = 1 if shared is not None else RECV_DEPTH
-    posted = deque(post(k) for k in range(min(depth, len(buckets))))
+    posted: deque[_Posted] = deque()
+    following = 0  # the next bucket to post
+
+    def post_ahead() -> None:
+        """Post the next buckets in order, up to ``depth`` at once, while each finds its memory
+        (a bucket that needs scratch waits for one of the two buffers to be copied out)."""
+        nonlocal following
+        while following < len(buckets) and len(posted) < depth:
+            if needs_scratch(following):
+                if not free and not bufs:
+                    free.extend(scratch_for())
+                if not free:
+                    return
+            posted.append(post(following))
+            following += 1
+
+    post_ahead()
     for k in range(len(buckets)):
-        into_buf, land, pending = posted.popleft()
+        into_buf, land, pending, taken = posted.popleft()
         view = pending.wait()
-        if depth == 1 and k + 1 < len(buckets):
-            posted.append(post(k + 1))  # one at a time: over shm a posted view holds a trainer's slot
+        post_ahead()  # over shm one at a time: a posted view holds a trainer's slot
         buf = into_buf if into_buf is not None else view
         assert buf is not None
         if hash_buckets:
@@ -354,17 +391,14 @@ def recv_buckets(
         if land is not None:  # hashed where it arrived, then landed where the caller keeps it
             land.copy_(buf)
             buf = land
-        copied = (
-            into is not None
-            and land is None
-            and (view is not None or any(buf.data_ptr() == b.data_ptr() for b in bufs))
-        )
+        copied = into is not None and land is None and (view is not None or taken is not None)
         for name, tensor in copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k]):  # type: ignore[arg-type]
             sink(name, tensor)
         if isinstance(pending, ViewHandle):
             pending.release()
-        if depth > 1 and k + depth < len(buckets):
-            posted.append(post(k + depth))  # into bucket k's scratch buffer, now copied out
+        if taken is not None:
+            free.append(taken)  # copied out: the next bucket that needs scratch may take it
+            post_ahead()
     if expected is not None:
         verify(sums, expected)
     return sums

@@ -2,17 +2,23 @@
 
 Each transfer builds its own process group from a TCPStore the trainer hosts,
 never the global default group, so several ranks can live in one process and a
-group can be torn down and rebuilt. Buckets move with one broadcast each from
-rank 0. A bucket is sent from and received into the caller's buffer where it lies when
-that is the group's device (the host for gloo, the GPU for nccl); a buffer elsewhere is
-staged through one on the group's device (e.g. a host landing buffer over nccl: the
-worker's staged copy kept on the host).
+group can be torn down and rebuilt. Every rank receives every bucket rank 0 sends, in
+order: over nccl as one broadcast each; over gloo as one point-to-point send to each
+receiving rank, tagged with the bucket's number in the group (gloo runs a broadcast on its
+own work thread, and that hand-off cost ~0.3-0.6 ms a bucket: 1 GiB as 4 MiB buckets took
+15-19 % longer than as 16 MiB ones; sends and receives start on the caller's thread, and
+with eight in flight 4 MiB buckets move at the speed of 16 MiB broadcasts, see
+docs/performance.md). A bucket is sent from and received into the caller's buffer where it
+lies when that is the group's device (the host for gloo, the GPU for nccl); a buffer
+elsewhere is staged through one on the group's device (e.g. a host landing buffer over
+nccl: the worker's staged copy kept on the host).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal
@@ -36,24 +42,27 @@ class _NotOpen:
 
 
 class _WorkHandle:
-    """A broadcast in flight; ``wait`` bounds it by the group timeout."""
+    """A bucket in flight (a broadcast, or a send to each receiving rank); ``wait`` bounds
+    it, all of its works together, by the group timeout."""
 
     def __init__(
         self,
-        work: dist.Work,
+        works: list[dist.Work],
         init: TransferInit,
         what: str,
         keep: object = None,
         after: Callable[[], None] | None = None,
     ) -> None:
-        self._work, self._init, self._what, self._keep, self._after = work, init, what, keep, after
+        self._works, self._init, self._what, self._keep, self._after = works, init, what, keep, after
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
         try:
-            self._work.wait(timedelta(seconds=self._init.timeout_s))
+            deadline = time.monotonic() + self._init.timeout_s
+            for work in self._works:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             if self._after is not None:
                 self._after()
         except Exception as e:
@@ -75,10 +84,17 @@ def _is_loopback(addr: str) -> bool:
 class _Group:
     """A standalone process group plus the store it was formed on."""
 
-    def __init__(self, backend: TorchBackend = "gloo", device: torch.device | None = None) -> None:
+    def __init__(
+        self, backend: TorchBackend = "gloo", device: torch.device | None = None, *, broadcasts: bool | None = None
+    ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown torch.distributed backend {backend!r}")
+        if backend == "nccl" and broadcasts is False:
+            raise ValueError("over nccl buckets move as broadcasts")
         self.backend = backend
+        self.broadcasts = backend == "nccl" if broadcasts is None else broadcasts
+        """Whether each bucket moves as one broadcast (nccl; gloo when asked: every rank of a
+        group must agree) or as a send to each receiving rank (gloo's default)."""
         self.checksum_kind = checksum_kind(backend)
         """The group's bucket checksum (see rlbus.transfer.checksum): the same on every rank."""
         self._device = device
@@ -87,8 +103,9 @@ class _Group:
         self._raw: dist.TCPStore | None = None
         self._init: TransferInit | None = None
         self._sent = 0
+        """Buckets sent or received in this group: the next one's number (its tag over gloo)."""
         self._works: list[dist.Work] = []
-        """Collectives started and maybe not finished: close abandons a group that has one."""
+        """Works started and maybe not finished: close abandons a group that has one."""
         self._lock = threading.Lock()  # a collective starting vs close, across threads
 
     @property
@@ -125,33 +142,40 @@ class _Group:
                 pg = dist.ProcessGroupNCCL(store, rank, init.world_size, opts)  # type: ignore[assignment]
                 # NCCL forms its communicator lazily; one tiny broadcast forms it now.
                 probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                _WorkHandle(pg.broadcast([probe], _root0()), init, "forming the nccl group").wait()  # type: ignore[attr-defined]
+                _WorkHandle([pg.broadcast([probe], _root0())], init, "forming the nccl group").wait()  # type: ignore[attr-defined]
         except TransferError:
             raise
         except Exception as e:
             raise timeout_error(init, f"rank {rank} joining ({self.backend})", e) from e
         self._pg = pg  # type: ignore[assignment]
         self._init = init
+        self._sent = 0  # every rank of a new group numbers its buckets from 0
 
-    def _broadcast(
-        self, tensor: torch.Tensor, what: str, keep: object = None, after: Callable[[], None] | None = None
+    def _move(
+        self, tensor: torch.Tensor, sending: bool, keep: object = None, after: Callable[[], None] | None = None
     ) -> Handle:
+        """Start moving the group's next bucket: rank 0 sends ``tensor`` (``sending``), any
+        other rank receives into it."""
         with self._lock:
-            init = self._init
+            init, n = self._init, self._sent
+            self._sent += 1
+            what = f"{'sending' if sending else 'receiving'} bucket {n}"
             try:
-                work = self._pg.broadcast([tensor], _root0())
+                if self.broadcasts:
+                    works = [self._pg.broadcast([tensor], _root0())]
+                elif sending:
+                    assert init is not None
+                    works = [self._pg.send([tensor], dst, n) for dst in range(1, init.world_size)]
+                else:
+                    works = [self._pg.recv([tensor], 0, n)]
             except TransferError:
                 raise
             except Exception as e:
                 assert init is not None
                 raise timeout_error(init, what, e) from e
             assert init is not None
-            self._works = [w for w in self._works if not w.is_completed()] + [work]
-        return _WorkHandle(work, init, what, keep=keep, after=after)
-
-    def _next(self) -> int:
-        self._sent += 1
-        return self._sent - 1
+            self._works = [w for w in self._works if not w.is_completed()] + works
+        return _WorkHandle(works, init, what, keep=keep, after=after)
 
     def close(self) -> None:
         """Drop the group and the store at once, never waiting for a collective.
@@ -235,13 +259,13 @@ class TorchDistTrainer(_Group):
         return bound
 
     def send(self, buf: torch.Tensor) -> Handle:
-        """Broadcast ``buf`` from rank 0; the handle completes when it left this rank. A buffer
-        off the group's device is staged onto it first."""
+        """Send ``buf`` to every other rank; the handle completes when it left this rank. A
+        buffer off the group's device is staged onto it first."""
         _check_buf(buf)
         if buf.device == self.device:
-            return self._broadcast(buf, f"sending bucket {self._next()}")
+            return self._move(buf, True)
         staging = buf.to(self.device, non_blocking=False)
-        return self._broadcast(staging, f"sending bucket {self._next()}", keep=staging)
+        return self._move(staging, True, keep=staging)
 
 
 class TorchDistWorker(_Group):
@@ -259,11 +283,10 @@ class TorchDistWorker(_Group):
             raise
 
     def recv(self, buf: torch.Tensor) -> Handle:
-        """Receive the next broadcast into ``buf`` (exactly the bucket's size), where it lies
+        """Receive the next bucket into ``buf`` (exactly the bucket's size), where it lies
         if it is on the group's device, else through a staging buffer there."""
         _check_buf(buf)
-        what = f"receiving bucket {self._next()}"
         if buf.device == self.device:
-            return self._broadcast(buf, what)
+            return self._move(buf, False)
         staging = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
-        return self._broadcast(staging, what, keep=staging, after=lambda: buf.copy_(staging))  # type: ignore[arg-type]
+        return self._move(staging, False, keep=staging, after=lambda: buf.copy_(staging))  # type: ignore[arg-type]

@@ -31,6 +31,7 @@ from rlbus.transfer import (
     worker_transfer,
 )
 from rlbus.transfer.buckets import SOLO_FRACTION, as_bytes
+from rlbus.transfer.stream import RECV_DEPTH
 
 CPU_BACKENDS = ["gloo", "shm"]
 BUCKET = 4096
@@ -276,6 +277,76 @@ def test_a_worker_has_the_next_buckets_receive_posted_before_it_waits_for_one():
     at = {e: i for i, e in enumerate(log)}
     for k in range(n - 1):
         assert at[("post", k + 1)] < at[("wait", k)], f"bucket {k + 1} was posted only after bucket {k} arrived"
+
+
+def test_a_worker_keeps_landing_buckets_posted_deep_ahead_and_at_most_two_in_scratch():
+    # a bucket that lands in its own memory costs nothing while it waits: several stay posted
+    # (4 MiB buckets one or two at a time left gloo's wire idle); one received into scratch
+    # holds one of the two buffers until it was copied out
+    named = model()
+    p = prepare(named, BUCKET)
+    packed = {k for k, group in enumerate(p.per_bucket) if len(group) > 1}
+    assert packed and len(p.bucket_sizes) - len(packed) > RECV_DEPTH, "landed and scratch buckets both"
+    log: list = []
+
+    def worker(rx, rank):
+        dst = {name: torch.zeros_like(t) for name, t in named}
+        recv_buckets(
+            PostLog(rx, log),
+            p.params,
+            p.buckets,
+            lambda name, v: None if v.data_ptr() == dst[name].data_ptr() else dst[name].copy_(v),
+            landing=lambda b, metas: sole_tensor_bytes(metas, b.nbytes, dst),
+        )
+        return dst
+
+    (dst,) = run_threads(new_init("gloo", 1), lambda tx: send_stream(tx, p, named), worker, workers=1)
+    assert not isinstance(dst, BaseException), dst
+    assert digests(dst.items()) == digests(named)
+    ahead, in_scratch, deepest = set(), set(), 0
+    for what, k in log:  # posted until waited for; a scratch buffer held until the next wait starts
+        if what == "post":
+            ahead.add(k)
+            in_scratch |= {k} & packed
+            deepest = max(deepest, len(ahead))
+            assert len(ahead) <= RECV_DEPTH and len(in_scratch) <= 2, (k, sorted(ahead), sorted(in_scratch))
+        else:
+            ahead.discard(k)
+            in_scratch -= {j for j in in_scratch if j < k}
+    assert deepest > 2, "only two receives were ever posted at once"
+
+
+def test_a_trainer_that_opens_a_new_group_numbers_its_buckets_afresh():
+    # over gloo each bucket travels tagged with its number in the group: a trainer object that
+    # closes one group and opens another must not go on counting from the first
+    named = model(2)
+    p = prepare(named, BUCKET)
+    tx = trainer_transfer("gloo")
+    try:
+        for round_ in range(2):
+            init = tx.bind(new_init("gloo", 1, timeout_s=5.0))
+            got: list = []
+
+            def body(init=init, got=got) -> None:
+                rx = worker_transfer("gloo")
+                try:
+                    rx.join(init, 1)
+                    got.append(collect(p.params, p.buckets)(rx, 1))
+                except BaseException as e:
+                    got.append(e)
+                finally:
+                    rx.close()
+
+            t = threading.Thread(target=body, daemon=True)
+            t.start()
+            tx.open(init)
+            send_stream(tx, p, named)
+            t.join(10)
+            tx.close()
+            assert not t.is_alive() and not isinstance(got[0], BaseException), (round_, got)
+            assert all(torch.equal(got[0][n].view(t.dtype).view(t.shape), t) for n, t in named)
+    finally:
+        tx.close()
 
 
 def test_over_shm_a_worker_reads_buckets_where_they_lie_and_copies_each_byte_once():
