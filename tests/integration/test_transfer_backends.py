@@ -65,9 +65,10 @@ def new_init(backend: str, workers: int, timeout_s: float = 10.0, group: str | N
     )
 
 
-def run_threads(init: TransferInit, trainer: Callable, worker: Callable, workers: int = 2) -> list:
-    """Bind + open the trainer here, run `worker(rx, rank)` in one thread per worker."""
-    tx = trainer_transfer(init.backend)
+def run_threads(init: TransferInit, trainer: Callable, worker: Callable, workers: int = 2, tx=None) -> list:
+    """Bind + open the trainer here (``tx``, else a new one; closed at the end), run
+    `worker(rx, rank)` in one thread per worker."""
+    tx = tx or trainer_transfer(init.backend)
     bound = tx.bind(init)
     assert bound.master_port != 0
     results: list = [None] * workers
@@ -322,31 +323,11 @@ def test_a_trainer_that_opens_a_new_group_numbers_its_buckets_afresh():
     named = model(2)
     p = prepare(named, BUCKET)
     tx = trainer_transfer("gloo")
-    try:
-        for round_ in range(2):
-            init = tx.bind(new_init("gloo", 1, timeout_s=5.0))
-            got: list = []
-
-            def body(init=init, got=got) -> None:
-                rx = worker_transfer("gloo")
-                try:
-                    rx.join(init, 1)
-                    got.append(collect(p.params, p.buckets)(rx, 1))
-                except BaseException as e:
-                    got.append(e)
-                finally:
-                    rx.close()
-
-            t = threading.Thread(target=body, daemon=True)
-            t.start()
-            tx.open(init)
-            send_stream(tx, p, named)
-            t.join(10)
-            tx.close()
-            assert not t.is_alive() and not isinstance(got[0], BaseException), (round_, got)
-            assert all(torch.equal(got[0][n].view(t.dtype).view(t.shape), t) for n, t in named)
-    finally:
-        tx.close()
+    for _ in range(2):
+        init = new_init("gloo", 1, timeout_s=5.0)
+        (got,) = run_threads(init, lambda tx: send_stream(tx, p, named), collect(p.params, p.buckets), 1, tx=tx)
+        assert not isinstance(got, BaseException), got
+        assert all(torch.equal(got[n].view(t.dtype).view(t.shape), t) for n, t in named)
 
 
 def test_over_shm_a_worker_reads_buckets_where_they_lie_and_copies_each_byte_once():
