@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -394,8 +395,8 @@ def recv_buckets(
         copied = into is not None and land is None and (view is not None or taken is not None)
         for name, tensor in copy_out(buf, per_bucket[k], into) if copied else unpack(buf, per_bucket[k]):  # type: ignore[arg-type]
             sink(name, tensor)
-        if isinstance(pending, ViewHandle):
-            pending.release()
+        if into_buf is None:  # a view where the transport holds it: known from how it was posted
+            cast(ViewHandle, pending).release()  # (isinstance against the protocol: ~20 us a bucket)
         if taken is not None:
             free.append(taken)  # copied out: the next bucket that needs scratch may take it
             post_ahead()
