@@ -315,19 +315,21 @@ def recv_buckets(
     sums: list[str] = []
     if not buckets:
         return sums
-    bufs: list[torch.Tensor] = []
+    free: list[torch.Tensor] = []  # the scratch buffers no posted bucket holds
+    allocated = False
 
-    def scratch_for() -> list[torch.Tensor]:
-        # allocated (and pre-touched) only once a bucket has no landing buffer of its own
+    def allocate_scratch() -> None:
+        # only once a bucket has no landing buffer of its own (pre-touched when new)
+        nonlocal allocated
         usable = scratch and len(scratch) >= 2 and min(b.numel() for b in scratch) >= biggest
-        if not usable:
+        if usable:
+            free.extend(scratch[:2])  # type: ignore[index]
+        else:
             fresh = alloc_buffers(biggest, device=transfer_device(rx))
             if scratch is not None:  # the caller keeps them for its next receive
                 scratch[:] = fresh
-            bufs.extend(fresh)
-        else:
-            bufs.extend(scratch[:2])  # type: ignore[index]
-        return list(bufs)
+            free.extend(fresh)
+        allocated = True
 
     shared = rx if isinstance(rx, SharedMemoryWorker) else None
     dev = transfer_device(rx)
@@ -362,7 +364,6 @@ def recv_buckets(
         buf = whole[: buckets[k].nbytes]
         return buf, got, rx.recv(buf), whole
 
-    free: list[torch.Tensor] = []
     depth = 1 if shared is not None else RECV_DEPTH
     posted: deque[_Posted] = deque()
     following = 0  # the next bucket to post
@@ -373,8 +374,8 @@ def recv_buckets(
         nonlocal following
         while following < len(buckets) and len(posted) < depth:
             if needs_scratch(following):
-                if not free and not bufs:
-                    free.extend(scratch_for())
+                if not allocated:
+                    allocate_scratch()
                 if not free:
                     return
             posted.append(post(following))
