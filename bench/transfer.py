@@ -82,7 +82,7 @@ def worker_main() -> None:
 
 BASELINES = ("raw", "chunked", "landed", "naive")
 """The kinds that measure a limit rather than rlbus: over gloo they move every buffer as one
-broadcast, the plain torch.distributed way (rlbus's gloo groups send to each rank instead)."""
+broadcast, the plain torch.distributed way, whatever rlbus's groups default to."""
 
 
 def transfer_for(backend: str, kind: str, trainer: bool):

@@ -3,12 +3,9 @@
 Each transfer builds its own process group from a TCPStore the trainer hosts,
 never the global default group, so several ranks can live in one process and a
 group can be torn down and rebuilt. Every rank receives every bucket rank 0 sends, in
-order: over nccl as one broadcast each; over gloo as one point-to-point send to each
-receiving rank, tagged with the bucket's number in the group (gloo runs a broadcast on its
-own work thread, and that hand-off cost ~0.3-0.6 ms a bucket: 1 GiB as 4 MiB buckets took
-15-19 % longer than as 16 MiB ones; sends and receives start on the caller's thread, and
-with eight in flight 4 MiB buckets move at the speed of 16 MiB broadcasts, see
-docs/performance.md). A bucket is sent from and received into the caller's buffer where it
+order, as one broadcast each; a gloo group made with ``broadcasts=False`` sends each bucket
+to each receiving rank instead, tagged with its number in the group (faster with many small
+buckets, but not the default: see ``_Group.broadcasts``). A bucket is sent from and received into the caller's buffer where it
 lies when that is the group's device (the host for gloo, the GPU for nccl); a buffer
 elsewhere is staged through one on the group's device (e.g. a host landing buffer over
 nccl: the worker's staged copy kept on the host).
@@ -92,9 +89,12 @@ class _Group:
         if backend == "nccl" and broadcasts is False:
             raise ValueError("over nccl buckets move as broadcasts")
         self.backend = backend
-        self.broadcasts = backend == "nccl" if broadcasts is None else broadcasts
-        """Whether each bucket moves as one broadcast (nccl; gloo when asked: every rank of a
-        group must agree) or as a send to each receiving rank (gloo's default)."""
+        self.broadcasts = True if broadcasts is None else broadcasts
+        """Whether each bucket moves as one broadcast (the default) or, over gloo when asked
+        (every rank of a group must agree), as a tagged send to each receiving rank. Not the
+        default: a worker process stopped (SIGTERM) while a send-style receive was pending
+        aborted at exit ("terminate called without an active exception") in 2 of ~16 runs of
+        tests/integration/test_abort_never_blocks.py; see docs/performance.md."""
         self.checksum_kind = checksum_kind(backend)
         """The group's bucket checksum (see rlbus.transfer.checksum): the same on every rank."""
         self._device = device

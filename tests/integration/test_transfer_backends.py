@@ -318,13 +318,13 @@ def test_a_worker_keeps_landing_buckets_posted_deep_ahead_and_at_most_two_in_scr
 
 
 def test_a_trainer_that_opens_a_new_group_numbers_its_buckets_afresh():
-    # over gloo each bucket travels tagged with its number in the group: a trainer object that
-    # closes one group and opens another must not go on counting from the first
+    # a trainer object that closes one group and opens another must not go on counting from the
+    # first (a gloo group made with broadcasts=False tags each bucket with its number)
     named = model(2)
     p = prepare(named, BUCKET)
     tx = trainer_transfer("gloo")
     for _ in range(2):
-        init = new_init("gloo", 1, timeout_s=5.0)
+        init = new_init("gloo", 1)
         (got,) = run_threads(init, lambda tx: send_stream(tx, p, named), collect(p.params, p.buckets), 1, tx=tx)
         assert not isinstance(got, BaseException), got
         assert all(torch.equal(got[n].view(t.dtype).view(t.shape), t) for n, t in named)
