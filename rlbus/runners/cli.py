@@ -175,7 +175,7 @@ def _serve_vllm(
     staging: str = "host",
 ) -> None:
     """`rlbus worker --engine vllm`: start vLLM, serve it, shut vLLM down after the drain."""
-    from rlbus.runners.serve import serve
+    from rlbus.runners.serve import run_then_exit, serve
     from rlbus.services.worker.service import WorkerService
     from rlbus.services.worker.vllm.engine import VllmEngine, VllmOptions
 
@@ -224,7 +224,7 @@ def _serve_vllm(
                 for engine in started:
                     await engine.close()
 
-    anyio.run(run)
+    run_then_exit(lambda: anyio.run(run))
 
 
 @main.command()
@@ -573,7 +573,7 @@ def worker(
     import torch
 
     from rlbus.models.tinylm import ModelConfig
-    from rlbus.runners.serve import serve
+    from rlbus.runners.serve import run_then_exit, serve
     from rlbus.schemas import Subjects
     from rlbus.services.worker.reference_engine import ReferenceEngine
     from rlbus.services.worker.service import WorkerOptions, WorkerService
@@ -634,13 +634,15 @@ def worker(
     def make(nc):
         return _metered(WorkerService(nc, engine, opts), metrics_port)
 
-    anyio.run(
-        lambda: serve(
-            _url(nats_url),
-            f"rlbus-worker-{wid}",
-            make,
-            auth=_auth(),
-            inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}"),
+    run_then_exit(
+        lambda: anyio.run(
+            lambda: serve(
+                _url(nats_url),
+                f"rlbus-worker-{wid}",
+                make,
+                auth=_auth(),
+                inbox_prefix=_auth().inbox or opts.subjects.inbox(f"worker-{wid}"),
+            )
         )
     )
 

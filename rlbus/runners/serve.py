@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
+import os
 import signal
+import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import anyio
 from nats.aio.client import Client
@@ -40,6 +44,48 @@ def freeze_startup_heap(name: str) -> None:
         gc.get_freeze_count(),
         (time.perf_counter() - began) * 1e3,
     )
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The status Python itself would exit with for ``e`` (a message is printed, status 1)."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def run_then_exit(main: Callable[[], object]) -> NoReturn:
+    """Run a service process's ``main``, then end the process at once with its status.
+
+    The exit handlers run and the output is flushed, but the interpreter is not finalized.
+    A finalizing Python 3.11-3.13 ends any daemon thread that takes the GIL with pthread_exit,
+    and a thread coming back from a torch.distributed wait unwinds through C++ that may not
+    unwind: the process aborts ("terminate called without an active exception", SIGABRT).
+    A worker stopped mid-receive has exactly such a thread: its group was closed, and the
+    receive wakes with an error while the process exits (seen in 1 of 30 SIGTERMs to a
+    worker process mid-push; a receive woken by an exit handler aborts every time).
+    """
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = _exit_code(e)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()  # what finalizing would run first: logging.shutdown among them
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
 
 
 class _Started:
