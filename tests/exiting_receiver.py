@@ -2,10 +2,13 @@
 mid-push does: ``python -m tests.exiting_receiver {sends|broadcasts} {run_then_exit|return} CODE``.
 
 Its trainer (a thread) and its worker form a real gloo group; the worker's receive waits in a
-daemon thread for a bucket that never comes. An exit handler closes the worker's group, so
-the receive wakes with an error while the process exits. With ``run_then_exit`` the process
-must end with CODE; with ``return`` Python finalizes, which aborts the process on Python
-3.11-3.13 (kept to show what the test guards against).
+daemon thread for a bucket that never comes. An exit handler closes the worker's group and
+then the trainer's, so the receive wakes with an error while the process exits; from then on
+only a blocking call lets it take the GIL, and the first one a returning process makes is
+in its finalization (``_Lingering``) unless rlbus waits for the receive first. Either way it
+ends (``run_then_exit``, as a worker process does, or by returning, as a trainer's script
+does) the process must end with CODE. Without rlbus.transfer.torchdist's exit handler a
+returning process aborted in 2 of 3 runs: Python 3.11 finalized while the receive came back.
 """
 
 from __future__ import annotations
@@ -13,12 +16,24 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import time
 
 import torch
 from rlbus.schemas import TransferInit
 
 from rlbus.runners.serve import run_then_exit
 from rlbus.transfer.torchdist import TorchDistTrainer, TorchDistWorker
+
+
+class _Lingering:
+    """Held by this module: finalizing Python deletes it, and it blocks a while there, which
+    lets any thread waiting for the GIL take it while the interpreter finalizes."""
+
+    def __del__(self) -> None:
+        time.sleep(0.2)
+
+
+_lingering = _Lingering()
 
 
 def main(broadcasts: bool, code: int) -> None:
@@ -40,8 +55,14 @@ def main(broadcasts: bool, code: int) -> None:
 
     threading.Thread(target=wait, name="receive", daemon=True).start()
     waiting.wait()
-    atexit.register(tx.close)  # the trainer leaves as the process exits: the receive wakes with an error
-    atexit.register(rx.close)  # (atexit runs these last first) the worker stops, its group is closed
+
+    def leave() -> None:
+        rx.close()  # the worker stops: its group is closed
+        tx.close()  # the trainer leaves: the receive wakes with an error
+        # and only a blocking call lets the receive's thread take the GIL back from here on
+        sys.setswitchinterval(10.0)
+
+    atexit.register(leave)
     if code:
         raise SystemExit(code)
 

@@ -63,9 +63,10 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
     A finalizing Python 3.11-3.13 ends any daemon thread that takes the GIL with pthread_exit,
     and a thread coming back from a torch.distributed wait unwinds through C++ that may not
     unwind: the process aborts ("terminate called without an active exception", SIGABRT).
-    A worker stopped mid-receive has exactly such a thread: its group was closed, and the
-    receive wakes with an error while the process exits (seen in 1 of 30 SIGTERMs to a
-    worker process mid-push; a receive woken by an exit handler aborts every time).
+    A worker stopped mid-receive has such a thread: its group was closed, and the receive
+    wakes with an error while the process exits (1 in 30 SIGTERMs to a worker process
+    mid-push aborted). rlbus.transfer's own exit handler waits for such threads, but only
+    for ``EXIT_SETTLE_S`` and only for its own calls; a service process never finalizes.
     """
     code = 0
     try:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -173,6 +174,38 @@ def timeout_error(init: TransferInit, what: str, cause: BaseException | None = N
 T = TypeVar("T")
 
 
+class NativeCalls:
+    """How many threads of this process are in a transfer call that may leave the GIL inside
+    torch (a wait, a group's teardown, the last reference to a torch work going): none may
+    come back to Python while the interpreter finalizes. Python 3.11-3.13 ends such a thread
+    with pthread_exit, which cannot unwind through torch's C++, and the process aborts
+    ("terminate called without an active exception", SIGABRT). An exiting process waits
+    for the count to reach zero first (rlbus.transfer.torchdist's exit handler)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._count = 0
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        with self._cv:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._count -= 1
+                self._cv.notify_all()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until no thread is inside; False if one still is after ``timeout_s``."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._count == 0, timeout_s)
+
+
+native_calls = NativeCalls()
+
+
 async def detached(fn: Callable[..., T], *args: object, name: str = "rlbus-transfer") -> T:
     """Run a blocking transfer call in a daemon thread of its own and await its result.
 
@@ -189,15 +222,20 @@ async def detached(fn: Callable[..., T], *args: object, name: str = "rlbus-trans
             else:
                 result.set_exception(value)  # type: ignore[arg-type]
 
+    call: list[Any] = [fn, args]  # dropped inside the count: the call may hold torch works
+
     def body() -> None:
-        try:
-            ok, value = True, fn(*args)
-        except Exception as e:
-            ok, value = False, e  # type: ignore[assignment]
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop is closed: nobody awaits this any more
-            pass
+        with native_calls.inside():
+            try:
+                ok, value = True, call[0](*call[1])
+            except Exception as e:
+                ok, value = False, e  # type: ignore[assignment]
+            call.clear()
+            try:
+                loop.call_soon_threadsafe(settle, ok, value)
+            except RuntimeError:  # the loop is closed: nobody awaits this any more
+                pass
+            del value  # an error's traceback holds the call's frames
 
     threading.Thread(target=body, name=name, daemon=True).start()
     return await result

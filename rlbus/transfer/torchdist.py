@@ -3,19 +3,26 @@
 Each transfer builds its own process group from a TCPStore the trainer hosts,
 never the global default group, so several ranks can live in one process and a
 group can be torn down and rebuilt. Every rank receives every bucket rank 0 sends, in
-order, as one broadcast each; a gloo group made with ``broadcasts=False`` sends each bucket
-to each receiving rank instead, tagged with its number in the group (faster with many small
-buckets, but not the default: see ``_Group.broadcasts``). A bucket is sent from and received into the caller's buffer where it
-lies when that is the group's device (the host for gloo, the GPU for nccl); a buffer
-elsewhere is staged through one on the group's device (e.g. a host landing buffer over
-nccl: the worker's staged copy kept on the host).
+order: over gloo as a send to each receiving rank, tagged with the bucket's number in the
+group; over nccl (or a gloo group made with ``broadcasts=True``) as one broadcast. A bucket
+is sent from and received into the caller's buffer where it lies when that is the group's
+device (the host for gloo, the GPU for nccl); a buffer elsewhere is staged through one on
+the group's device (e.g. a host landing buffer over nccl: the worker's staged copy kept on
+the host).
+
+A process exiting with a transfer in flight first closes its groups and waits (at most
+``EXIT_SETTLE_S``) for every thread inside a torch.distributed wait or a group's teardown to
+come back (``_settle_at_exit``): a thread that comes back while Python 3.11-3.13 finalizes
+is ended with pthread_exit through torch's C++, and the process aborts.
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal
@@ -24,11 +31,27 @@ import torch
 import torch.distributed as dist
 
 from rlbus.schemas import TransferInit
-from rlbus.transfer.base import Handle, TransferError, timeout_error
+from rlbus.transfer.base import Handle, TransferError, native_calls, timeout_error
 from rlbus.transfer.checksum import checksum_kind
 from rlbus.transfer.rendezvous import connect_store, host_store
 
 TorchBackend = Literal["gloo", "nccl"]
+
+EXIT_SETTLE_S = 1.0
+"""How long an exiting process waits for its transfers' threads to come back from torch."""
+
+
+_open_groups: weakref.WeakSet[_Group] = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    """Before the interpreter finalizes: close every group still open and give the threads
+    waiting in them (a closed group or a departed peer wakes them with an error) time to come
+    back. A gloo broadcast stuck until its timeout is left behind after ``EXIT_SETTLE_S``."""
+    for group in list(_open_groups):
+        group.close()
+    native_calls.settle(EXIT_SETTLE_S)
 
 
 class _NotOpen:
@@ -52,20 +75,29 @@ class _WorkHandle:
     ) -> None:
         self._works, self._init, self._what, self._keep, self._after = works, init, what, keep, after
         self._done = False
+        self._failed: TransferError | None = None
+        """Why the wait failed: a later wait fails the same way (the works are gone by then)."""
 
     def wait(self) -> None:
+        if self._failed is not None:
+            raise self._failed
         if self._done:
             return
-        try:
-            deadline = time.monotonic() + self._init.timeout_s
-            for work in self._works:
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            if self._after is not None:
-                self._after()
-        except Exception as e:
-            raise timeout_error(self._init, self._what, e) from e
-        finally:
-            self._keep = None
+        works, self._works = self._works, []
+        with native_calls.inside():  # the last reference to a work may go here: see NativeCalls
+            try:
+                deadline = time.monotonic() + self._init.timeout_s
+                while works:
+                    works[0].wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                    del works[0]
+                if self._after is not None:
+                    self._after()
+            except Exception as e:
+                self._failed = timeout_error(self._init, self._what, e)
+                raise self._failed from e
+            finally:
+                works.clear()
+                self._keep = None
         self._done = True
 
 
@@ -89,12 +121,12 @@ class _Group:
         if backend == "nccl" and broadcasts is False:
             raise ValueError("over nccl buckets move as broadcasts")
         self.backend = backend
-        self.broadcasts = True if broadcasts is None else broadcasts
-        """Whether each bucket moves as one broadcast (the default) or, over gloo when asked
-        (every rank of a group must agree), as a tagged send to each receiving rank. Not the
-        default: a worker process stopped (SIGTERM) while a send-style receive was pending
-        aborted at exit ("terminate called without an active exception") in 2 of ~16 runs of
-        tests/integration/test_abort_never_blocks.py; see docs/performance.md."""
+        self.broadcasts = backend == "nccl" if broadcasts is None else broadcasts
+        """Whether each bucket moves as one broadcast (nccl's way; a gloo group's when asked)
+        or as a tagged send to each receiving rank (gloo's default: a send starts on the
+        caller's thread, where a broadcast goes through the group's work thread, ~0.3-0.6 ms
+        a bucket; bench/push.py at R = 1, 2026-12-06: 0.93-0.96x bare, 0.83x with broadcasts).
+        Every rank of a group must agree."""
         self.checksum_kind = checksum_kind(backend)
         """The group's bucket checksum (see rlbus.transfer.checksum): the same on every rank."""
         self._device = device
@@ -150,6 +182,7 @@ class _Group:
         self._pg = pg  # type: ignore[assignment]
         self._init = init
         self._sent = 0  # every rank of a new group numbers its buckets from 0
+        _open_groups.add(self)
 
     def _move(
         self, tensor: torch.Tensor, sending: bool, keep: object = None, after: Callable[[], None] | None = None
@@ -190,6 +223,7 @@ class _Group:
             busy = any(not w.is_completed() for w in self._works)
             box = [self._pg, self._store, self._raw]  # the only references left: _destroy takes them
             self._pg, self._store, self._raw, self._init, self._works = _NotOpen(), None, None, None, []
+        _open_groups.discard(self)
         if isinstance(box[0], _NotOpen):
             return
         if busy:
@@ -203,16 +237,17 @@ def _destroy(box: list[object], backend: TorchBackend) -> None:
     This call empties ``box``, so the group's last reference dies in it, on its thread."""
     pg = box[0]
     box.clear()
-    if backend == "nccl":
-        for stop in ("abort", "shutdown"):
-            fn = getattr(pg, stop, None)
-            if fn is not None:
-                try:
-                    fn()
-                    break
-                except Exception:
-                    continue
-    del pg  # joins the group's threads, which wait for a pending collective
+    with native_calls.inside():
+        if backend == "nccl":
+            for stop in ("abort", "shutdown"):
+                fn = getattr(pg, stop, None)
+                if fn is not None:
+                    try:
+                        fn()
+                        break
+                    except Exception:
+                        continue
+        del pg  # joins the group's threads, which wait for a pending collective
 
 
 def _name(opts: object, init: TransferInit) -> None:

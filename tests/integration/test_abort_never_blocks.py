@@ -273,22 +273,23 @@ async def test_sigterm_during_a_pending_receive_stops_a_worker_process_at_once(n
         procs.stop()
 
 
-def test_a_worker_process_whose_receive_wakes_as_it_exits_ends_with_its_own_status():
+def test_a_process_whose_receive_wakes_as_it_exits_ends_with_its_own_status():
     """A stopped worker's receive wakes with an error (its group or its trainer closed) while
-    the process exits. Finalizing Python ends that thread with pthread_exit through torch's
-    C++, and the process aborts (SIGABRT: 1 in 30 SIGTERMs mid-push; 2 in 3 runs of
-    tests/exiting_receiver.py when it just returns). A worker process ends through
-    run_then_exit, which keeps its status."""
+    the process exits. Had Python begun to finalize, it would end that thread with
+    pthread_exit through torch's C++ and abort the process (SIGABRT: 1 in 30 SIGTERMs to a
+    worker process mid-push; every run of tests/exiting_receiver.py that returns, without
+    rlbus's exit handler). A process that returns waits for the receive at exit; a worker
+    process ends through run_then_exit."""
     runs = {
-        code: subprocess.Popen(
-            [sys.executable, "-m", "tests.exiting_receiver", "sends", "run_then_exit", str(code)],
+        (ending, code): subprocess.Popen(
+            [sys.executable, "-m", "tests.exiting_receiver", "sends", ending, str(code)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for code in (0, 2, 3)
+        for ending, code in (("return", 3), ("run_then_exit", 2))
     }
-    for code, proc in runs.items():
+    for (ending, code), proc in runs.items():
         out, err = proc.communicate(timeout=60)
-        assert proc.returncode == code, f"exited with {proc.returncode}, not {code}: {err[-2000:]}"
+        assert proc.returncode == code, f"{ending}: exited with {proc.returncode}, not {code}: {err[-2000:]}"
         assert "terminate called" not in err, err

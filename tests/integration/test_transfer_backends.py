@@ -319,7 +319,7 @@ def test_a_worker_keeps_landing_buckets_posted_deep_ahead_and_at_most_two_in_scr
 
 def test_a_trainer_that_opens_a_new_group_numbers_its_buckets_afresh():
     # a trainer object that closes one group and opens another must not go on counting from the
-    # first (a gloo group made with broadcasts=False tags each bucket with its number)
+    # first (a gloo group tags each bucket with its number)
     named = model(2)
     p = prepare(named, BUCKET)
     tx = trainer_transfer("gloo")
