@@ -11,7 +11,9 @@ in flight, ~24 ns a changed word measured, 1.8x the bare read in all. So it work
 streaming compare, which LLVM vectorizes: memory speed), the flagged words' places gathered (8
 flags read as one word, then the words of a block that has any), then every lane of a gathered
 word written at the end of the output with the count moved by whether that lane changed (1.22x
-the bare read; the same bits out, in the same order).
+the bare read; the same bits out, in the same order). In a piece where at most half the words
+changed, only a gathered word's changed lanes are written, found by their bits: a VM that reads
+~30 GB/s (2026-12-06) shows the kernel's own work, and there this is 12 % faster at 1 % changed.
 
 Compiled by numba (a well-kept JIT for exactly such loops; hand-written C would need a
 compiler on every host) on first use and cached on disk (``cache=True``): a process pays
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 BLOCK = 8
 """Words whose flags are read as one 8-byte word in the gathering pass."""
@@ -90,24 +93,56 @@ def changed_lanes(
     order. Returns the new count, or -1 once it passes ``limit``. Both outputs hold at least
     ``limit + lanes`` entries: a flagged word's lanes are all written, and the count moves by
     whether each changed. ``flags``, ``blocks`` and ``words`` come from :func:`scratch`: the
-    slice is worked in pieces of ``flags.size`` words, each while it stays in the core's cache."""
+    slice is worked in pieces of ``flags.size`` words, each while it stays in the core's cache.
+
+    A piece where at most half the words changed (an RL step's delta: ~4 % of bf16 words at
+    1 % of elements) writes only the changed lanes, found by their bits (a flagged word's
+    changed lanes are usually one, so the loop over them is predicted); a denser piece writes
+    every lane of a flagged word, branch-free. 256 MiB of bf16 at 1.1 % changed: 37.7 ms against
+    42.8 with every lane written (15 %: 145 against 156; 30 %: 262 against 222, hence the
+    switch)."""
     width = 64 // lanes
     mask = (1 << width) - 1 if lanes > 1 else -1
+    low = 0  # the lowest bit of every lane
+    for j in range(lanes):
+        low |= 1 << (width * j)
+    lows = np.uint64(low)
+    shift = np.int64(trailing_zeros(np.uint64(width)))  # a lane's index from its lowest bit's
     piece = flags.size
     for s in range(0, new.size, piece):
         e = min(s + piece, new.size)
         m = _flagged(new[s:e], old[s:e], flags, blocks, words)
-        for q in range(m):
-            i = s + words[q]
-            x = new[i]
-            d = x ^ old[i]
-            p = (first_word + i) * lanes
-            for j in range(lanes):
-                positions[k] = p + j
-                values[k] = (x >> (width * j)) & mask
-                k += ((d >> (width * j)) & mask) != 0
-            if k > limit:
-                return -1
+        if 2 * m <= e - s:
+            for q in range(m):
+                i = s + words[q]
+                x = new[i]
+                d = np.uint64(x ^ old[i])
+                h = width >> 1
+                while h:  # each lane's bits or-ed onto its lowest bit
+                    d |= d >> np.uint64(h)
+                    h >>= 1
+                changed = d & lows
+                p = (first_word + i) * lanes
+                while changed:
+                    lane = np.int64(trailing_zeros(changed)) >> shift
+                    positions[k] = p + lane
+                    values[k] = (x >> (width * lane)) & mask
+                    k += 1
+                    changed &= changed - np.uint64(1)
+                if k > limit:
+                    return -1
+        else:
+            for q in range(m):
+                i = s + words[q]
+                x = new[i]
+                d = x ^ old[i]
+                p = (first_word + i) * lanes
+                for j in range(lanes):
+                    positions[k] = p + j
+                    values[k] = (x >> (width * j)) & mask
+                    k += ((d >> (width * j)) & mask) != 0
+                if k > limit:
+                    return -1
     return k
 
 

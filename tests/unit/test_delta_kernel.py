@@ -1,6 +1,7 @@
 """The host delta's compiled kernel (rlbus.transfer.delta_kernel) against numpy's element-wise
 compare: every changed lane listed once, in order, with its new bits, across piece boundaries,
-at every lane width, and refused past the room it was given without writing beyond it."""
+at every lane width and density (a piece with few changed words and one with many take
+different paths), and refused past the room it was given without writing beyond it."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ LANE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 @pytest.mark.parametrize("numel_words", [1, 7, 8, 9, 4099])
 @pytest.mark.parametrize("piece", [3, 16, None], ids=["piece3", "piece16", "one-piece"])
-def test_the_kernel_lists_every_changed_lane_in_order_with_its_new_bits(itemsize, numel_words, piece):
+@pytest.mark.parametrize("density", [0.01, 0.15, 0.6])  # sparse pieces, both kinds, dense pieces
+def test_the_kernel_lists_every_changed_lane_in_order_with_its_new_bits(itemsize, numel_words, piece, density):
     lanes, lane_t = 8 // itemsize, LANE[itemsize]
     rng = np.random.default_rng(numel_words * 10 + itemsize)
     old = rng.integers(-(2**62), 2**62, size=numel_words, dtype=np.int64)
     new = old.copy()
     lane_view = new.view(lane_t)
-    hit = rng.random(lane_view.size) < 0.15
+    hit = rng.random(lane_view.size) < density
     hit[0] = hit[-1] = True  # the first and the last lane too
     lane_view[hit] ^= lane_t(1 << (8 * itemsize - 1))  # the top bit: its sign, for signed lanes
     want = np.flatnonzero(new.view(lane_t) != old.view(lane_t))
