@@ -186,16 +186,35 @@ class NativeCalls:
         self._cv = threading.Condition()
         self._count = 0
 
+    def _add(self, n: int) -> None:
+        with self._cv:
+            self._count += n
+            self._cv.notify_all()
+
     @contextmanager
     def inside(self) -> Iterator[None]:
-        with self._cv:
-            self._count += 1
+        self._add(1)
         try:
             yield
         finally:
-            with self._cv:
-                self._count -= 1
-                self._cv.notify_all()
+            self._add(-1)
+
+    def thread(self, body: Callable[[], None], name: str) -> None:
+        """Run ``body`` in a daemon thread counted from before it starts (an exit that waits
+        cannot miss a thread started just before it) until ``body`` returns."""
+
+        def run() -> None:
+            try:
+                body()
+            finally:
+                self._add(-1)
+
+        self._add(1)
+        try:
+            threading.Thread(target=run, name=name, daemon=True).start()
+        except BaseException:
+            self._add(-1)
+            raise
 
     def settle(self, timeout_s: float) -> bool:
         """Wait until no thread is inside; False if one still is after ``timeout_s``."""
@@ -225,17 +244,16 @@ async def detached(fn: Callable[..., T], *args: object, name: str = "rlbus-trans
     call: list[Any] = [fn, args]  # dropped inside the count: the call may hold torch works
 
     def body() -> None:
-        with native_calls.inside():
-            try:
-                ok, value = True, call[0](*call[1])
-            except Exception as e:
-                ok, value = False, e  # type: ignore[assignment]
-            call.clear()
-            try:
-                loop.call_soon_threadsafe(settle, ok, value)
-            except RuntimeError:  # the loop is closed: nobody awaits this any more
-                pass
-            del value  # an error's traceback holds the call's frames
+        try:
+            ok, value = True, call[0](*call[1])
+        except Exception as e:
+            ok, value = False, e  # type: ignore[assignment]
+        call.clear()
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop is closed: nobody awaits this any more
+            pass
+        del value  # an error's traceback holds the call's frames
 
-    threading.Thread(target=body, name=name, daemon=True).start()
+    native_calls.thread(body, name)
     return await result

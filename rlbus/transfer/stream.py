@@ -51,9 +51,10 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 SEND_DEPTH = 8
 """Buckets the trainer keeps in flight at once. Those packed into scratch take one of its two
 scratch buffers and wait for it; those sent from their tensors' own memory cost no memory in
-flight. Eight, not two: 1 GiB as 4 MiB gloo broadcasts, hashed on both ends (a scratch
-script, best of five, R = 1/2/3): 365 / 631 / 863 ms with eight in flight against 390 / 697 /
-944 with two (16 MiB broadcasts with two: 360 / 574 / 812)."""
+flight. Eight, not two: 1 GiB as 4 MiB buckets over gloo, hashed on both ends (a scratch
+script, best of five, R = 1/2/3): 329 / 596 / 892 ms as sends with eight in flight, 365 / 631 /
+863 as broadcasts with eight, 390 / 697 / 944 as broadcasts with two (16 MiB broadcasts with
+two: 360 / 574 / 812)."""
 Named = Sequence[tuple[str, torch.Tensor]]
 Sink = Callable[[str, torch.Tensor], None]
 

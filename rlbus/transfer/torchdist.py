@@ -25,6 +25,7 @@ import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Literal
 
 import torch
@@ -221,15 +222,16 @@ class _Group:
         and exits leaves no thread behind."""
         with self._lock:
             busy = any(not w.is_completed() for w in self._works)
-            box = [self._pg, self._store, self._raw]  # the only references left: _destroy takes them
+            box: list[object] = [self._pg, self._store, self._raw]  # the only references left: _destroy takes them
             self._pg, self._store, self._raw, self._init, self._works = _NotOpen(), None, None, None, []
         _open_groups.discard(self)
         if isinstance(box[0], _NotOpen):
             return
         if busy:
-            threading.Thread(target=_destroy, args=(box, self.backend), name="rlbus-close-group", daemon=True).start()
+            native_calls.thread(partial(_destroy, box, self.backend), "rlbus-close-group")
         else:
-            _destroy(box, self.backend)  # type: ignore[arg-type]
+            with native_calls.inside():
+                _destroy(box, self.backend)
 
 
 def _destroy(box: list[object], backend: TorchBackend) -> None:
@@ -237,17 +239,16 @@ def _destroy(box: list[object], backend: TorchBackend) -> None:
     This call empties ``box``, so the group's last reference dies in it, on its thread."""
     pg = box[0]
     box.clear()
-    with native_calls.inside():
-        if backend == "nccl":
-            for stop in ("abort", "shutdown"):
-                fn = getattr(pg, stop, None)
-                if fn is not None:
-                    try:
-                        fn()
-                        break
-                    except Exception:
-                        continue
-        del pg  # joins the group's threads, which wait for a pending collective
+    if backend == "nccl":
+        for stop in ("abort", "shutdown"):
+            fn = getattr(pg, stop, None)
+            if fn is not None:
+                try:
+                    fn()
+                    break
+                except Exception:
+                    continue
+    del pg  # joins the group's threads, which wait for a pending collective
 
 
 def _name(opts: object, init: TransferInit) -> None:

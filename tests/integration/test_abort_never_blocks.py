@@ -282,7 +282,7 @@ def test_a_process_whose_receive_wakes_as_it_exits_ends_with_its_own_status():
     process ends through run_then_exit."""
     runs = {
         (ending, code): subprocess.Popen(
-            [sys.executable, "-m", "tests.exiting_receiver", "sends", ending, str(code)],
+            [sys.executable, "-m", "tests.exiting_receiver", ending, str(code)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
