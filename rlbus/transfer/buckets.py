@@ -92,18 +92,23 @@ _MEMMOVE_BELOW = 1 << 20
 """pack copies a tensor smaller than this with ctypes.memmove (see pack)."""
 
 SOLO_FRACTION = 4
-"""A tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own. A quarter,
+"""By default a tensor of at least 1/SOLO_FRACTION of a bucket travels in a bucket of its own. A quarter,
 not a half: packing costs a copy on the trainer and one on every receiver, which on gloo cost
 more than the extra broadcasts (bench/push.py, tinylm's 4 MiB tensors in 16 MiB buckets:
 2.4 GB/s alone against 1.8-2.1 packed at R = 1, 1.4 against 1.0-1.3 at R = 2)."""
 
 
 def plan(
-    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, max_tensors: int | None = None
+    named: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    max_tensors: int | None = None,
+    solo_bytes: int | None = None,
 ) -> tuple[list[ParamMeta], list[int]]:
     """Assign every tensor a 64-byte-aligned range in a bucket.
 
-    A tensor of at least a quarter of a bucket travels alone, in a bucket of exactly its size
+    A tensor of at least ``solo_bytes`` (by default a quarter of a bucket, see
+    :data:`SOLO_FRACTION`; a transport whose every bucket costs little on its own asks for
+    less, see ``stream.solo_bytes``) travels alone, in a bucket of exactly its size
     (larger than ``bucket_bytes`` if the tensor is): it is sent straight from the
     tensor's memory and, where the receiver can, lands straight in its destination, so
     it is never copied and never splits a shared bucket. The smaller tensors are packed,
@@ -113,6 +118,11 @@ def plan(
     """
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if solo_bytes is None:
+        solo_bytes = -(-bucket_bytes // SOLO_FRACTION)
+    elif solo_bytes <= 0:
+        raise PlanError(f"solo_bytes must be positive, got {solo_bytes}")
+    solo_bytes = min(solo_bytes, bucket_bytes)  # a shared bucket never holds more than bucket_bytes
     metas: list[ParamMeta] = []
     sizes: list[int] = []
     seen: set[str] = set()
@@ -133,7 +143,7 @@ def plan(
         dtype = dtype_name(t.dtype)
         nbytes = t.numel() * t.element_size()
         shape = list(t.shape)
-        if nbytes and nbytes * SOLO_FRACTION >= bucket_bytes:
+        if nbytes and nbytes >= solo_bytes:
             metas.append(ParamMeta(name=name, dtype=dtype, shape=shape, bucket=len(sizes), offset=0, nbytes=nbytes))
             sizes.append(nbytes)  # exactly the tensor: sent from it and landed in it as they are
             continue

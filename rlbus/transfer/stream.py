@@ -44,7 +44,7 @@ from rlbus.transfer.base import (
     ViewHandle,
     WorkerTransfer,
 )
-from rlbus.transfer.buckets import align_up, by_bucket, copy_out, pack, plan, unpack, validate
+from rlbus.transfer.buckets import SOLO_FRACTION, align_up, by_bucket, copy_out, pack, plan, unpack, validate
 from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -93,10 +93,17 @@ class Packed:
     checksums: list[str]
 
 
-def prepare(named: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_tensors: int | None = None) -> Plan:
+def prepare(
+    named: Named,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    max_tensors: int | None = None,
+    solo_bytes: int | None = None,
+) -> Plan:
     """Plan the buckets for ``named`` (input order, 64-byte aligned); ``max_tensors`` caps
-    the tensors of one shared bucket (so its metadata fits one control message)."""
-    params, sizes = plan(named, bucket_bytes, max_tensors)
+    the tensors of one shared bucket (so its metadata fits one control message); a tensor of
+    at least ``solo_bytes`` travels alone (:func:`solo_bytes` gives a transport's; by default
+    a quarter of a bucket)."""
+    params, sizes = plan(named, bucket_bytes, max_tensors, solo_bytes)
     return Plan(params=params, bucket_sizes=sizes, per_bucket=by_bucket(params, len(sizes)))
 
 
@@ -146,6 +153,28 @@ def packs_every_bucket(tx: TrainerTransfer) -> bool:
     buffers live in memory workers read (a :class:`SharedMemoryTrainer`), so that no bucket
     is sent from a tensor's private memory."""
     return isinstance(tx, SharedMemoryTrainer)
+
+
+SEND_SOLO_BYTES = 1 << 20
+"""Over a transport that moves every bucket as its own point-to-point send (gloo's default,
+see ``TorchDistTrainer.broadcasts``) a tensor of at least this many bytes travels alone, even
+in a bigger bucket: such a send costs little more than its bytes (it starts on the caller's
+thread, eight in flight), while packing copies the tensor on the trainer and again on every
+receiver. bench/push.py --model mixed (200 tensors, 16 MiB buckets: 13 % of the bytes packed
+with a quarter, 3 % with 1 MiB), 2026-12-06, six runs against four, partly alternated: R = 1
+update 394-475 ms (median 438) against 429-481 (457), rlbus/bare 0.85-0.96 against 0.80-0.87;
+R = 3 best 994 against 1039 ms; R = 2 the same."""
+
+
+def solo_bytes(tx: TrainerTransfer, bucket_bytes: int) -> int:
+    """The ``solo_bytes`` to plan with for ``tx``: :data:`SEND_SOLO_BYTES` (or a quarter of a
+    bucket, if smaller) when it sends each bucket point to point, else a quarter of a bucket,
+    where packing small tensors saves a collective (a broadcast's cost does not shrink with
+    its bytes) or a copy is due anyway (shm packs every bucket)."""
+    quarter = -(-bucket_bytes // SOLO_FRACTION)
+    if getattr(tx, "broadcasts", True) or packs_every_bucket(tx):
+        return quarter
+    return min(quarter, SEND_SOLO_BYTES)
 
 
 def scratch_pair(tx: TrainerTransfer, need: int) -> list[torch.Tensor]:

@@ -19,7 +19,15 @@ from rlbus.schemas import Aborted, Backend, FailedPrecondition, RepairOffer, Tra
 
 from rlbus.transfer.base import TrainerTransfer, TransferError, detached
 from rlbus.transfer.factory import trainer_transfer
-from rlbus.transfer.stream import Plan, packs_every_bucket, prepare, scratch_bytes, scratch_pair, send_stream
+from rlbus.transfer.stream import (
+    Plan,
+    packs_every_bucket,
+    prepare,
+    scratch_bytes,
+    scratch_pair,
+    send_stream,
+    solo_bytes,
+)
 
 from .engine import Engine
 
@@ -29,7 +37,8 @@ ADDRESS_ENV = "RLBUS_ADVERTISE_ADDR"
 """The address other workers reach this one at, for a repair group it hosts (default loopback:
 set it on every worker host of a fleet that spans machines)."""
 BUCKET_BYTES = 8 << 20
-"""A repair's bucket size: every tensor of at least half of it travels alone, sent from its
+"""A repair's bucket size: every tensor of at least ``stream.solo_bytes`` (1 MiB over gloo's
+sends, a quarter of a bucket over nccl's broadcasts) travels alone, sent from its
 committed memory (no packing) and landed straight in the receiver's live parameter (a
 withheld receiver lands in place); only the small ones are packed."""
 MAX_TENSORS_PER_BUCKET = 512
@@ -70,8 +79,8 @@ class RepairSource:
             raise FailedPrecondition("its weights are asleep or discarded: it cannot be a repair source")
         self.close()
         named = sorted(self.engine.parameters_of(target).items())  # the committed bits, read in place
-        plan = prepare(named, BUCKET_BYTES, max_tensors=MAX_TENSORS_PER_BUCKET)
         tx = trainer_transfer(init.backend)
+        plan = prepare(named, BUCKET_BYTES, max_tensors=MAX_TENSORS_PER_BUCKET, solo_bytes=solo_bytes(tx, BUCKET_BYTES))
         addr = os.environ.get(ADDRESS_ENV) or init.master_addr or "127.0.0.1"
         try:
             bound = tx.bind(_with_addr(init, addr))

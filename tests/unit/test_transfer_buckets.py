@@ -21,7 +21,8 @@ from rlbus.transfer import (
     worker_transfer,
 )
 from rlbus.transfer.buckets import ALIGN, by_bucket, copy_out
-from rlbus.transfer.stream import pack_all, prepare, verify
+from rlbus.transfer.stream import SEND_SOLO_BYTES, pack_all, prepare, solo_bytes, verify
+from rlbus.transfer.torchdist import TorchDistTrainer
 
 DTYPES = [
     torch.float32,
@@ -107,6 +108,30 @@ def test_a_tensor_of_a_quarter_of_a_bucket_or_more_travels_alone_and_small_ones_
     assert by_name["a"].bucket == by_name["b"].bucket == by_name["c"].bucket
     assert [by_name[n].offset for n in "abc"] == [0, 64, 128]
     assert len(sizes) == 3
+
+
+def test_a_smaller_solo_size_sends_more_tensors_alone_and_a_larger_one_never_overfills_a_bucket():
+    named = [("a", torch.zeros(10)), ("mid", torch.zeros(20)), ("b", torch.zeros(10)), ("over", torch.zeros(60))]
+    metas, sizes = plan(named, 200, solo_bytes=80)  # "mid" (80 bytes) alone, under a quarter of 200
+    by_name = {m.name: m for m in metas}
+    assert [o.name for o in metas if o.bucket == by_name["mid"].bucket] == ["mid"]
+    assert by_name["a"].bucket == by_name["b"].bucket
+    # asked for more than a bucket, a tensor over bucket_bytes still travels alone, never packed past it
+    metas, sizes = plan(named, 200, solo_bytes=10_000)
+    over = next(m for m in metas if m.name == "over")
+    assert [o.name for o in metas if o.bucket == over.bucket] == ["over"] and sizes[over.bucket] == 240
+    assert all(size <= 200 for k, size in enumerate(sizes) if k != over.bucket)
+    with pytest.raises(PlanError, match="solo_bytes"):
+        plan(named, 200, solo_bytes=0)
+
+
+def test_a_transport_that_sends_point_to_point_plans_tensors_of_a_mebibyte_alone():
+    bucket = 16 << 20
+    sends, broadcasts = TorchDistTrainer("gloo"), TorchDistTrainer("gloo", broadcasts=True)
+    assert solo_bytes(sends, bucket) == SEND_SOLO_BYTES < bucket // 4
+    assert solo_bytes(broadcasts, bucket) == bucket // 4
+    assert solo_bytes(trainer_transfer("shm"), bucket) == bucket // 4  # shm packs every bucket anyway
+    assert solo_bytes(sends, 1 << 20) == 1 << 18  # never more than a quarter of a small bucket
 
 
 def test_bucket_plan_never_exceeds_bucket_size_except_for_one_big_tensor():
