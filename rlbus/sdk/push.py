@@ -68,9 +68,15 @@ PARAM_META_BOUND = 160
 DELTA_META_BOUND = 96
 """What a delta's fields (encoding, index, changed, index_nbytes, values_offset) add to it."""
 
-DELTA_GROUPS = 4
+DELTA_GROUPS = 8
 """A delta update is compared and encoded in up to this many groups of tensors, the next while
-the last travels (each group one more UpdateWeights round trip)."""
+the last travels (each group one more UpdateWeights round trip). The last group is written and
+hashed by the workers after the trainer is done, so smaller groups shorten the finish:
+bench/delta.py at R = 1 (1 GiB, 2026-12-06, five runs against four, partly alternated): the
+finish 17-20 ms against 30-41 with 4 groups, the delta 326-341 ms (median 330) against
+332-469 (median 346), the encode the same (281-300 ms). 16 groups encode slower (336-440 ms:
+each group's threads start and finish on their own). On 2026-12-04, before the faster compare,
+8 measured slower than 4 in one run each."""
 
 DELTA_GROUP_MIN_BYTES = 64 << 20
 """A group holds at least this many bytes (dense) of tensors: smaller models go in fewer."""

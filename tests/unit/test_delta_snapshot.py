@@ -165,7 +165,7 @@ def test_a_write_that_fails_leaves_the_snapshot_broken_and_the_next_commit_keeps
     assert again is not after and set(again.tensors) == {"b"} and again.broken is None
 
 
-def test_a_delta_update_is_cut_into_at_most_four_ordered_groups_of_about_equal_bytes(monkeypatch, path):
+def test_a_delta_update_is_cut_into_at_most_delta_groups_ordered_groups_of_about_equal_bytes(monkeypatch, path):
     from rlbus.sdk import push as P
 
     named = [(f"t{i}", torch.empty(n, dtype=torch.uint8)) for i, n in enumerate([5, 5, 5, 5, 5, 5, 5, 5, 40])]
@@ -174,4 +174,6 @@ def test_a_delta_update_is_cut_into_at_most_four_ordered_groups_of_about_equal_b
     monkeypatch.setattr(P, "DELTA_GROUP_MIN_BYTES", 1)
     groups = P.delta_groups(named)
     assert len(groups) <= P.DELTA_GROUPS and [nt for g in groups for nt in g] == named
-    assert [sum(t.numel() for _, t in g) for g in groups] == [20, 20, 40]
+    assert [sum(t.numel() for _, t in g) for g in groups] == [10, 10, 10, 10, 40]  # 8 groups: 10 bytes each
+    monkeypatch.setattr(P, "DELTA_GROUPS", 4)
+    assert [sum(t.numel() for _, t in g) for g in P.delta_groups(named)] == [20, 20, 40]
