@@ -306,7 +306,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
     room = min(limit, a.numel())  # untouched pages cost nothing: only what is found is written
     positions = np.empty(room + lanes, dtype=np.int32)  # a word's lanes land before the count keeps them
     values = np.empty(room + lanes, dtype=lane_t)
-    flags, blocks, words = scratch(max(1, min(PIECE, wa.size)))
+    words = scratch(min(PIECE, wa.size))
     eb = wb.view(lane_t)
     if under is not None and under.changed:
         upos, uval = under.parts()
@@ -325,7 +325,7 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
                 written = hi
             if hasher is not None:
                 hasher.update(ca)
-            k = changed_lanes(ca, cb, lanes, s, positions, values, k, room, flags, blocks, words)
+            k = changed_lanes(ca, cb, lanes, s, positions, values, k, room, words)
             if k < 0:
                 return None
     finally:

@@ -1,7 +1,7 @@
 """The host delta's compiled kernel (rlbus.transfer.delta_kernel) against numpy's element-wise
-compare: every changed lane listed once, in order, with its new bits, across piece boundaries,
-at every lane width and density (a piece with few changed words and one with many take
-different paths), and refused past the room it was given without writing beyond it."""
+compare: every changed lane listed once, in order, with its new bits, across piece boundaries and
+64-word groups, at every lane width and density (a piece with few changed words and one with
+many take different paths), and refused past the room it was given without writing beyond it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ LANE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 @pytest.mark.parametrize("numel_words", [1, 7, 8, 9, 4099])
-@pytest.mark.parametrize("piece", [3, 16, None], ids=["piece3", "piece16", "one-piece"])
+@pytest.mark.parametrize("piece", [3, 16, 200, None], ids=["piece3", "piece16", "piece200", "one-piece"])
 @pytest.mark.parametrize("density", [0.01, 0.15, 0.6])  # sparse pieces, both kinds, dense pieces
 def test_the_kernel_lists_every_changed_lane_in_order_with_its_new_bits(itemsize, numel_words, piece, density):
     lanes, lane_t = 8 // itemsize, LANE[itemsize]
@@ -30,14 +30,14 @@ def test_the_kernel_lists_every_changed_lane_in_order_with_its_new_bits(itemsize
     first = 1000  # the slice's first word in its tensor
     positions = np.empty(want.size + lanes, dtype=np.int32)
     values = np.empty(want.size + lanes, dtype=lane_t)
-    k = changed_lanes(new, old, lanes, first, positions, values, 0, want.size, *scratch(piece or numel_words))
+    k = changed_lanes(new, old, lanes, first, positions, values, 0, want.size, scratch(piece or numel_words))
     assert k == want.size
     assert positions[:k].tolist() == (want + first * lanes).tolist()
     assert values[:k].tolist() == new.view(lane_t)[want].tolist()
     # one fewer allowed: refused, and nothing written past the room it was given
     room = want.size - 1 + lanes
     short = np.full(room + 8, -7, dtype=np.int32)
-    k = changed_lanes(new, old, lanes, first, short, values, 0, want.size - 1, *scratch(piece or numel_words))
+    k = changed_lanes(new, old, lanes, first, short, values, 0, want.size - 1, scratch(piece or numel_words))
     assert k == -1 and (short[room:] == -7).all()
 
 
