@@ -400,19 +400,12 @@ class WeightPush:
         """Plan `named` (deltas' blobs among them), then per metadata chunk: its UpdateWeights
         through the controller, then its buckets. None when there was nothing to send."""
         from rlbus.transfer.base import TransferError, detached
-        from rlbus.transfer.stream import (
-            packs_every_bucket,
-            prepare,
-            scratch_bytes,
-            scratch_pair,
-            send_stream,
-            solo_bytes,
-        )
+        from rlbus.transfer.stream import packs_every_bucket, prepare_for, scratch_bytes, scratch_pair, send_stream
 
         tx = self.transfer
         if tx is None:
             raise FailedPrecondition("no weight-transfer group; call init_weight_transfer() first")
-        plan = prepare(named, size, max_tensors=max(1, limit // max(biggest, 1)), solo_bytes=solo_bytes(tx, size))
+        plan = prepare_for(tx, named, size, max_tensors=max(1, limit // max(biggest, 1)))
         self.stats.bytes_sent += plan.total_bytes
         # on the wire a delta names its tensor's dtype and shape (the plan packed its bytes as uint8)
         per_bucket = [[deltas[m.name].meta(m) if m.name in deltas else m for m in ms] for ms in plan.per_bucket]

@@ -177,6 +177,11 @@ def solo_bytes(tx: TrainerTransfer, bucket_bytes: int) -> int:
     return min(quarter, SEND_SOLO_BYTES)
 
 
+def prepare_for(tx: TrainerTransfer, named: Named, bucket_bytes: int, max_tensors: int | None = None) -> Plan:
+    """:func:`prepare` for sending over ``tx``: a tensor travels alone from :func:`solo_bytes`."""
+    return prepare(named, bucket_bytes, max_tensors, solo_bytes(tx, bucket_bytes))
+
+
 def scratch_pair(tx: TrainerTransfer, need: int) -> list[torch.Tensor]:
     """Two reusable packing buffers of ``need`` bytes each for :func:`send_stream` over ``tx``
     (``need``: :func:`scratch_bytes` with ``pack_every_bucket=packs_every_bucket(tx)``).

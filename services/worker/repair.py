@@ -19,15 +19,7 @@ from rlbus.schemas import Aborted, Backend, FailedPrecondition, RepairOffer, Tra
 
 from rlbus.transfer.base import TrainerTransfer, TransferError, detached
 from rlbus.transfer.factory import trainer_transfer
-from rlbus.transfer.stream import (
-    Plan,
-    packs_every_bucket,
-    prepare,
-    scratch_bytes,
-    scratch_pair,
-    send_stream,
-    solo_bytes,
-)
+from rlbus.transfer.stream import Plan, packs_every_bucket, prepare_for, scratch_bytes, scratch_pair, send_stream
 
 from .engine import Engine
 
@@ -80,7 +72,7 @@ class RepairSource:
         self.close()
         named = sorted(self.engine.parameters_of(target).items())  # the committed bits, read in place
         tx = trainer_transfer(init.backend)
-        plan = prepare(named, BUCKET_BYTES, max_tensors=MAX_TENSORS_PER_BUCKET, solo_bytes=solo_bytes(tx, BUCKET_BYTES))
+        plan = prepare_for(tx, named, BUCKET_BYTES, max_tensors=MAX_TENSORS_PER_BUCKET)
         addr = os.environ.get(ADDRESS_ENV) or init.master_addr or "127.0.0.1"
         try:
             bound = tx.bind(_with_addr(init, addr))

@@ -21,7 +21,7 @@ from rlbus.transfer import (
     worker_transfer,
 )
 from rlbus.transfer.buckets import ALIGN, by_bucket, copy_out
-from rlbus.transfer.stream import SEND_SOLO_BYTES, pack_all, prepare, solo_bytes, verify
+from rlbus.transfer.stream import SEND_SOLO_BYTES, pack_all, prepare, prepare_for, solo_bytes, verify
 from rlbus.transfer.torchdist import TorchDistTrainer
 
 DTYPES = [
@@ -132,6 +132,10 @@ def test_a_transport_that_sends_point_to_point_plans_tensors_of_a_mebibyte_alone
     assert solo_bytes(broadcasts, bucket) == bucket // 4
     assert solo_bytes(trainer_transfer("shm"), bucket) == bucket // 4  # shm packs every bucket anyway
     assert solo_bytes(sends, 1 << 20) == 1 << 18  # never more than a quarter of a small bucket
+    named = [("small", torch.zeros(16)), ("two_mib", torch.zeros(1 << 19)), ("tiny", torch.zeros(16))]
+    sent, broadcast = prepare_for(sends, named, bucket), prepare_for(broadcasts, named, bucket)
+    assert sorted([m.name for m in ms] for ms in sent.per_bucket) == [["small", "tiny"], ["two_mib"]]  # 2 MiB alone
+    assert [len(ms) for ms in broadcast.per_bucket] == [3]  # under a quarter of 16 MiB: packed
 
 
 def test_bucket_plan_never_exceeds_bucket_size_except_for_one_big_tensor():
