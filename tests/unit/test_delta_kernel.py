@@ -25,7 +25,8 @@ def test_the_kernel_lists_every_changed_lane_in_order_with_its_new_bits(itemsize
     lane_view = new.view(lane_t)
     hit = rng.random(lane_view.size) < density
     hit[0] = hit[-1] = True  # the first and the last lane too
-    lane_view[hit] ^= lane_t(1 << (8 * itemsize - 1))  # the top bit: its sign, for signed lanes
+    top, low = lane_t(1 << (8 * itemsize - 1)), lane_t(1)  # the sign bit (signed lanes), the lowest
+    lane_view[hit] ^= np.where(rng.random(lane_view.size) < 0.5, top, low)[hit]
     want = np.flatnonzero(new.view(lane_t) != old.view(lane_t))
     first = 1000  # the slice's first word in its tensor
     positions = np.empty(want.size + lanes, dtype=np.int32)
