@@ -2,8 +2,9 @@
 mid-push does: ``python -m tests.exiting_receiver {run_then_exit|return} CODE``.
 
 Its trainer (a thread) and its worker form a real gloo group (buckets as sends, gloo's
-default); the worker's receive waits in a daemon thread for a bucket that never comes. An exit handler closes the worker's group and
-then the trainer's, so the receive wakes with an error while the process exits; from then on
+default); the worker's receive waits in a daemon thread for a bucket that never comes. An
+exit handler closes the worker's group and then the trainer's, so the receive wakes with an
+error while the process exits; from then on
 only a blocking call lets it take the GIL, and the first one a returning process makes is
 in its finalization (``_Lingering``) unless rlbus waits for the receive first. Either way it
 ends (``run_then_exit``, as a worker process does, or by returning, as a trainer's script

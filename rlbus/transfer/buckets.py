@@ -98,6 +98,12 @@ more than the extra broadcasts (bench/push.py, tinylm's 4 MiB tensors in 16 MiB 
 2.4 GB/s alone against 1.8-2.1 packed at R = 1, 1.4 against 1.0-1.3 at R = 2)."""
 
 
+def default_solo_bytes(bucket_bytes: int) -> int:
+    """The least size of a tensor that travels alone when nothing else is asked for: a
+    quarter of a bucket (:data:`SOLO_FRACTION`), rounded up."""
+    return -(-bucket_bytes // SOLO_FRACTION)
+
+
 def plan(
     named: Sequence[tuple[str, torch.Tensor]],
     bucket_bytes: int,
@@ -119,7 +125,7 @@ def plan(
     if bucket_bytes <= 0:
         raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if solo_bytes is None:
-        solo_bytes = -(-bucket_bytes // SOLO_FRACTION)
+        solo_bytes = default_solo_bytes(bucket_bytes)
     elif solo_bytes <= 0:
         raise PlanError(f"solo_bytes must be positive, got {solo_bytes}")
     solo_bytes = min(solo_bytes, bucket_bytes)  # a shared bucket never holds more than bucket_bytes

@@ -44,7 +44,7 @@ from rlbus.transfer.base import (
     ViewHandle,
     WorkerTransfer,
 )
-from rlbus.transfer.buckets import SOLO_FRACTION, align_up, by_bucket, copy_out, pack, plan, unpack, validate
+from rlbus.transfer.buckets import align_up, by_bucket, copy_out, default_solo_bytes, pack, plan, unpack, validate
 from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -171,7 +171,7 @@ def solo_bytes(tx: TrainerTransfer, bucket_bytes: int) -> int:
     bucket, if smaller) when it sends each bucket point to point, else a quarter of a bucket,
     where packing small tensors saves a collective (a broadcast's cost does not shrink with
     its bytes) or a copy is due anyway (shm packs every bucket)."""
-    quarter = -(-bucket_bytes // SOLO_FRACTION)
+    quarter = default_solo_bytes(bucket_bytes)
     if getattr(tx, "broadcasts", True) or packs_every_bucket(tx):
         return quarter
     return min(quarter, SEND_SOLO_BYTES)
