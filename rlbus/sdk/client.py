@@ -136,6 +136,7 @@ class RLClient:
 
     async def close(self) -> None:
         self.push.close()
+        self.push.end_compares()
         if self._owns:
             await drain(self.nc)
         else:

@@ -164,7 +164,7 @@ class WeightPush:
         """Threads that compare tensors against the committed bits in a delta session."""
         self._compares: tuple[int, ThreadPoolExecutor] | None = None
         """The compare threads (how many, the pool), kept from group to group and push to push
-        (not tied to the transfer group: idle, they cost nothing, and they end with this object)."""
+        (not tied to the transfer group: idle, they cost nothing; they end when the client closes)."""
 
     @property
     def ready(self) -> bool:
@@ -176,6 +176,12 @@ class WeightPush:
             self.transfer.close()
         self.transfer = self.init = None
         self.scratch, self._scratch_of = [], None
+
+    def end_compares(self) -> None:
+        """Let the kept compare threads end (the client closes; a later push starts new ones)."""
+        if self._compares is not None:
+            self._compares[1].shutdown(wait=False)
+            self._compares = None
 
     def _compare_pool(self, threads: int) -> ThreadPoolExecutor:
         """`threads` compare threads, started once and kept for every group of every push.

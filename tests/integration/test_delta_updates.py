@@ -190,6 +190,17 @@ async def test_the_compares_of_every_group_and_every_push_run_on_the_same_kept_t
         assert_fleet_holds(f, named)
     assert 1 <= len(ran_on[0] | ran_on[1]) <= 2, ran_on  # two threads for eight groups in all
     assert threading.get_native_id() not in ran_on[0] | ran_on[1]
+    kept = [t for t in threading.enumerate() if t.native_id in ran_on[0] | ran_on[1]]
+    assert kept and all(t.is_alive() for t in kept)
+    rl.push.end_compares()  # what the client's close does: the threads end
+    for t in kept:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in kept)
+    ran_on.append(set())
+    master.step()
+    named, st = await _push(rl, master)  # a later push starts new ones
+    assert st.committed and st.delta and ran_on[-1] and not ran_on[-1] & (ran_on[0] | ran_on[1])
+    assert_fleet_holds(f, named)
 
 
 async def test_the_explicit_lifecycle_sends_deltas_in_two_updates(fleet, master):
