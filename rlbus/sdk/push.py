@@ -183,15 +183,16 @@ class WeightPush:
             self._compares[1].shutdown(wait=False)
             self._compares = None
 
-    def _compare_pool(self, threads: int) -> ThreadPoolExecutor:
-        """`threads` compare threads, started once and kept for every group of every push.
-        Measured (2026-12-07, 1 GiB bf16 in 8 groups, two threads, six alternated runs): the
-        encode alone 188 against 200 ms with threads started afresh per group (CPU 300
-        against 314 ms); inside bench/delta.py's push no difference shows through its noise."""
-        if self._compares is None or self._compares[0] != threads:
-            if self._compares is not None:
-                self._compares[1].shutdown(wait=False)
-            self._compares = (threads, ThreadPoolExecutor(threads, thread_name_prefix="rlbus-delta"))
+    def _compare_pool(self) -> ThreadPoolExecutor:
+        """`encode_threads` compare threads, started once and kept for every group of every push
+        (started again only when `encode_threads` changed). Measured (2026-12-07, 1 GiB bf16 in
+        8 groups, two threads, six alternated runs): the encode alone 188 against 200 ms with
+        threads started afresh per group (CPU 300 against 314 ms); inside bench/delta.py's push
+        no difference shows through its noise."""
+        if self._compares is None or self._compares[0] != self.encode_threads:
+            self.end_compares()
+            pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="rlbus-delta")
+            self._compares = (self.encode_threads, pool)
         return self._compares[1]
 
     async def init_transfer(
@@ -329,7 +330,7 @@ class WeightPush:
 
         threads = max(1, min(self.encode_threads, sum(o is not None for o in olds)))
         if threads > 1:
-            found = list(self._compare_pool(self.encode_threads).map(compare, range(len(named))))
+            found = list(self._compare_pool().map(compare, range(len(named))))
         else:
             found = [compare(k) for k in range(len(named))]
         sending: list[tuple[str, torch.Tensor]] = []
