@@ -10,8 +10,10 @@ whatever the data plane is doing.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -200,6 +202,19 @@ class NativeCalls:
     2 MiB on the host, 32 MiB on a GPU), and is reused by its next call."""
 
     def __init__(self) -> None:
+        self._forget_kept()
+        me = weakref.ref(self)
+
+        def in_child() -> None:
+            calls = me()
+            if calls is not None:
+                calls._forget_kept()
+
+        os.register_at_fork(after_in_child=in_child)
+
+    def _forget_kept(self) -> None:
+        """No call running and no thread kept: a fresh start, or a child just forked (which has
+        none of its parent's threads, and perhaps a lock one of them held)."""
         self._cv = threading.Condition()
         self._count = 0
         self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], str]]] = []

@@ -103,3 +103,22 @@ def test_many_calls_at_once_all_run_and_are_counted():
         calls.thread(body, "rlbus-many")
     assert calls.settle(10)
     assert len(ran) == n
+
+
+def test_a_forked_child_runs_its_calls_on_threads_of_its_own():
+    """A child forked while a thread is kept (vLLM may fork its engine's workers from a
+    worker process) has none of the parent's threads: its calls must not be handed to them."""
+    import os
+
+    calls = NativeCalls()
+    _run(calls, "rlbus-parent")
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its call ran
+        ran, ok = threading.Event(), False
+        try:
+            calls.thread(ran.set, "rlbus-child")
+            ok = ran.wait(10) and calls.settle(10)
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
