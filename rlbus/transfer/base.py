@@ -196,7 +196,7 @@ class NativeCalls:
 
     The threads are kept (up to KEPT_THREADS idle, each for KEPT_IDLE_S): starting one blocks
     its caller until the new thread runs, ~1.2 ms on 2 busy cores, and the callers are event
-    loops (a delta push starts two a group: 16 starts, ~20 ms of the trainer's loop blocked
+    loops (a delta push starts two a group: 16 starts, ~19 ms of the trainer's loop blocked
     a push, measured with cProfile). A kept thread takes the next call at once. What a call
     keeps per thread stays with a kept thread while it idles (the checksum's scratch blocks:
     2 MiB on the host, 32 MiB on a GPU), and is reused by its next call."""
