@@ -251,11 +251,17 @@ def decoding(engines) -> int:
     return sum(e.decoding() for e in engines.values())
 
 
+class EndedEarly(AssertionError):
+    """A request of the batch ended before every one of them decoded: the pause would not find it."""
+
+
 async def all_decoding(engines, tasks: list[asyncio.Task]) -> None:
     def check() -> bool:
         for t in tasks:
             if t.done():  # finished or refused before the pause: the test cannot hold
-                raise AssertionError(f"a request ended before the pause: {t.exception() or t.result()}")
+                held = {w: (len(e._requests), e.decoding()) for w, e in engines.items()}
+                end = t.exception() or f"{t.result().finish_reason} after {len(t.result().tokens)} tokens"
+                raise EndedEarly(f"a request ended before the pause ({end}); (requests, decoding) per worker: {held}")
         return decoding(engines) == len(tasks)
 
     await eventually(check, timeout=120, what="every request decoding in vLLM")
@@ -265,10 +271,26 @@ def long_requests(rl, n: int = 4) -> list[asyncio.Task]:
     return [asyncio.create_task(rl.generate(PROMPTS[i % len(PROMPTS)], LONG_TOKENS, timeout=300.0)) for i in range(n)]
 
 
+async def decoding_requests(rl, engines, n: int = 4, tries: int = 3) -> list[asyncio.Task]:
+    """n long requests, every one of them decoding in vLLM. On two busy cores vLLM may admit one
+    so late that another of the batch has already finished: that batch cannot show what a pause
+    does to requests in flight, so it runs out and a fresh one starts (the last try's failure stands)."""
+    for _ in range(tries - 1):
+        tasks = long_requests(rl, n)
+        try:
+            await all_decoding(engines, tasks)
+            return tasks
+        except EndedEarly as e:
+            print(f"a fresh batch: {e}")  # shown with the test's output if it fails later
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
+    tasks = long_requests(rl, n)
+    await all_decoding(engines, tasks)
+    return tasks
+
+
 async def test_pause_abort_ends_in_flight_requests_with_aborted_status(fleet):
     _, rl, engines = fleet
-    tasks = long_requests(rl)
-    await all_decoding(engines, tasks)
+    tasks = await decoding_requests(rl, engines)
     ack = await rl.pause("abort")
     try:
         assert all(w.paused and w.pause_mode == "abort" and w.in_flight == 0 for w in ack.workers)
@@ -280,8 +302,7 @@ async def test_pause_abort_ends_in_flight_requests_with_aborted_status(fleet):
 
 async def test_pause_wait_returns_after_in_flight_requests_finish_and_holds_new_ones(fleet):
     _, rl, engines = fleet
-    tasks = long_requests(rl)
-    await all_decoding(engines, tasks)
+    tasks = await decoding_requests(rl, engines)
     ack = await rl.pause("wait")
     try:
         assert all(w.paused and w.pause_mode == "wait" and w.in_flight == 0 for w in ack.workers)
@@ -301,8 +322,7 @@ async def test_pause_wait_returns_after_in_flight_requests_finish_and_holds_new_
 async def test_pause_keep_freezes_requests_and_resume_completes_them_with_identical_tokens(fleet):
     _, rl, engines = fleet
     reference = [r.tokens for r in await asyncio.gather(*long_requests(rl))]
-    tasks = long_requests(rl)
-    await all_decoding(engines, tasks)
+    tasks = await decoding_requests(rl, engines)
     ack = await rl.pause("keep")
     try:
         assert all(w.paused and w.pause_mode == "keep" for w in ack.workers)
@@ -393,8 +413,7 @@ async def test_requests_frozen_by_pause_keep_across_a_push_name_the_old_and_the_
         r.tokens
         for r in await asyncio.gather(*(rl.generate(PROMPTS[i], REFERENCE_TOKENS, timeout=300.0) for i in range(2)))
     ]
-    tasks = long_requests(rl, 2)
-    await all_decoding(engines, tasks)
+    tasks = await decoding_requests(rl, engines, 2)
 
     await rl.push_weights(named(models["base"]), version="spans-new", pause_mode="keep")
     replies = await asyncio.wait_for(asyncio.gather(*tasks), 300)
