@@ -255,16 +255,41 @@ class EndedEarly(AssertionError):
     """A request of the batch ended before every one of them decoded: the pause would not find it."""
 
 
+async def request_states(engines) -> dict[str, dict]:
+    """Each worker's requests as rlbus and vLLM see them: what a failure below names."""
+    out = {}
+    for w, e in engines.items():
+        try:
+            vllm_paused = await asyncio.wait_for(e.llm.is_paused(), 10)
+        except Exception as err:  # restarting, or vLLM does not answer
+            vllm_paused = f"no answer ({type(err).__name__})"
+        out[w] = dict(
+            requests=len(e._requests),
+            decoding=e.decoding(),
+            paused=e.status().paused,
+            vllm_paused=vllm_paused,
+            recovering=e.recovering,
+        )
+    return out
+
+
 async def all_decoding(engines, tasks: list[asyncio.Task]) -> None:
+    ended: list[asyncio.Task] = []
+
     def check() -> bool:
-        for t in tasks:
-            if t.done():  # finished or refused before the pause: the test cannot hold
-                held = {w: (len(e._requests), e.decoding()) for w, e in engines.items()}
-                end = t.exception() or f"{t.result().finish_reason} after {len(t.result().tokens)} tokens"
-                raise EndedEarly(f"a request ended before the pause ({end}); (requests, decoding) per worker: {held}")
+        ended.extend(t for t in tasks if t.done())
+        if ended:  # finished or refused before the pause: the test cannot hold
+            return True
         return decoding(engines) == len(tasks)
 
-    await eventually(check, timeout=120, what="every request decoding in vLLM")
+    try:
+        await eventually(check, timeout=120, what="every request decoding in vLLM")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; per worker: {await request_states(engines)}") from None
+    if ended:
+        t = ended[0]
+        end = t.exception() or f"{t.result().finish_reason} after {len(t.result().tokens)} tokens"
+        raise EndedEarly(f"a request ended before the pause ({end}); per worker: {await request_states(engines)}")
 
 
 def long_requests(rl, n: int = 4) -> list[asyncio.Task]:
