@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import sys
 
 import pytest
 
@@ -43,6 +44,22 @@ LONG_TOKENS = 1500
 REFERENCE_TOKENS = 300
 """Tokens of the old weights' own output compared with what a frozen request decoded before the freeze."""
 MAX_POSITIONS = 2048
+STUCK_S = 150.0
+"""A test of this module still running after this long prints every asyncio task's stack, once:
+what a hang waits on (pytest-timeout's dump shows threads only; a hang on an idle loop is in a task)."""
+
+
+def _print_tasks() -> None:
+    print(f"---- a test has run for {STUCK_S:g}s; every asyncio task: ----", file=sys.stderr)
+    for t in asyncio.all_tasks():
+        t.print_stack(limit=30, file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+async def tasks_shown_if_stuck():
+    shown = asyncio.get_running_loop().call_later(STUCK_S, _print_tasks)
+    yield
+    shown.cancel()
 
 
 def load_hf(folder) -> torch.nn.Module:
