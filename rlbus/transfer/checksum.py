@@ -67,6 +67,106 @@ def checksum(buf: torch.Tensor, kind: ChecksumKind | None = None, *, seed: int =
     return xxhash.xxh3_128_hexdigest(memoryview(view))
 
 
+# ---- xxh3 fed from compiled code -------------------------------------------------------------
+#
+# The delta compare (delta_kernel.scan) hashes each slice of the new bytes while the slice is in
+# cache, inside its one compiled call a tensor: fed from Python a slice at a time, every slice
+# would take the GIL back twice, and two compare threads (beside the trainer's event loop and
+# sender) wait for it hundreds of times a push. The xxhash wheel's extension module exports
+# xxHash's C API; numba calls its update through ctypes (a ctypes function passed as an
+# argument, so the compiled code is still cached on disk). Where the symbols are missing,
+# :func:`native_stream` is None and callers hash in a second pass (:func:`checksum`).
+
+
+class _Xxh3Lib:
+    """xxHash's streaming XXH3-128 API, from the xxhash wheel's extension module."""
+
+    class Hash128(ctypes.Structure):
+        _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
+
+    def __init__(self) -> None:
+        from xxhash import _xxhash  # type: ignore[attr-defined]  # the wheel's C extension (xxHash itself)
+
+        lib = ctypes.CDLL(_xxhash.__file__)
+        self.create = lib.XXH3_createState
+        self.create.restype, self.create.argtypes = ctypes.c_void_p, []
+        self.free = lib.XXH3_freeState
+        self.free.restype, self.free.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        self.reset = lib.XXH3_128bits_reset
+        self.reset.restype, self.reset.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        self.update = lib.XXH3_128bits_update
+        self.update.restype = ctypes.c_int
+        self.update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        self.digest = lib.XXH3_128bits_digest
+        self.digest.restype, self.digest.argtypes = self.Hash128, [ctypes.c_void_p]
+
+
+class NativeXxh3:
+    """One XXH3-128 state (this thread's: see :func:`native_stream`), fed by compiled code
+    through ``update(state, address, nbytes)``; :meth:`hexdigest` equals
+    ``xxhash.xxh3_128_hexdigest`` of the bytes fed since :meth:`reset`."""
+
+    def __init__(self, lib: _Xxh3Lib) -> None:
+        self._lib = lib
+        self.update = lib.update
+        self.state = lib.create()
+        if not self.state:
+            raise MemoryError("XXH3_createState failed")
+
+    def reset(self) -> int:
+        """Start a new digest; returns the state's address for the compiled code."""
+        self._lib.reset(self.state)
+        return self.state
+
+    def hexdigest(self) -> str:
+        h = self._lib.digest(self.state)
+        return f"{h.high64:016x}{h.low64:016x}"
+
+    def __del__(self) -> None:
+        if getattr(self, "state", None):
+            self._lib.free(self.state)
+            self.state = None
+
+
+class _Streams(threading.local):
+    stream: NativeXxh3 | None = None
+
+
+_streams = _Streams()
+_lib: _Xxh3Lib | None = None
+_lib_missing = False
+_lib_lock = threading.Lock()
+
+
+_UPDATE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_no_update = _UPDATE(lambda state, address, nbytes: 0)
+
+
+def native_update():
+    """The update function compiled code is handed with no stream (state 0: never called)."""
+    native_stream()
+    return _lib.update if _lib is not None else _no_update
+
+
+def native_stream() -> NativeXxh3 | None:
+    """This thread's XXH3-128 state for compiled code (kept for the thread's life), or None
+    when the xxhash wheel does not export xxHash's C API."""
+    global _lib, _lib_missing
+    if _streams.stream is not None:
+        return _streams.stream
+    with _lib_lock:
+        if _lib is None and not _lib_missing:
+            try:
+                _lib = _Xxh3Lib()
+            except (OSError, AttributeError):
+                _lib_missing = True
+        lib = _lib
+    if lib is None:
+        return None
+    _streams.stream = NativeXxh3(lib)
+    return _streams.stream
+
+
 # ---- the device checksum ---------------------------------------------------------------------
 #
 # The bytes are read as little-endian 64-bit words w[i] (a last partial word zero-padded; the

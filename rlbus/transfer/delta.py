@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np  # matplotlib's dependency, so always there; its 1-D integer kernels beat torch's here
 import torch
-import xxhash
 
 from rlbus.schemas import DeltaIndex, ParamMeta
 from rlbus.transfer.base import PlanError
@@ -244,13 +243,10 @@ def _diff(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], dtype: torch
 
 
 SCAN_WORDS = 1 << 17
-"""8-byte words handed to the compiled compare at a time by :func:`_scan` (1 MiB of each copy):
-the new slice's hash is taken right after, while it is still in the core's cache, and the last
-commit's delta is written onto the base's slice just before. The kernel works it in pieces that
-stay in the nearer cache (delta_kernel.PIECE). One call per 1 MiB, not per 256 KiB: each call
-holds the GIL while numba checks its arguments, which two compare threads then wait for (1 GiB
-bf16, 1.15 % changed, two threads: 0.23 s against 0.30 s with 256 KiB slices; 2 MiB and 4 MiB
-measured no better)."""
+"""8-byte words :func:`_scan`'s compiled pass works at a time (1 MiB of each copy): the new
+slice is hashed while it is in the core's cache, and the last commit's delta is written onto
+the base's slice just before it is read. The kernel compares it in pieces that stay in the
+nearer cache (delta_kernel.PIECE)."""
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -263,6 +259,8 @@ class _Found:
     changed: int
     positions: list[np.ndarray]
     values: list[np.ndarray]
+    digest: str | None = None
+    """The new bytes' xxh3-128, taken in the scan's pass (None: not asked for, or not at hand)."""
 
 
 def _words(t: torch.Tensor) -> np.ndarray | None:
@@ -273,24 +271,22 @@ def _words(t: torch.Tensor) -> np.ndarray | None:
     return t.view(torch.uint8).view(torch.int64).numpy()
 
 
-def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delta | None = None) -> _Found | None:
+def _scan(
+    a: torch.Tensor, b: torch.Tensor, limit: int, hashed: bool = False, under: Delta | None = None
+) -> _Found | None:
     """The changed elements of ``a`` against ``b`` (flat bit views, one dtype, on the host), in
-    one pass a slice of 8-byte words at a time: a compiled loop (delta_kernel.py) compares each
-    word once and writes a changed one's elements (position, new bits) where it finds them,
-    and ``hasher`` is fed the new bytes while the slice is in cache (so the result's checksum
-    costs no second read). None when the bytes are not whole words, there are 2^31 elements
-    or more (int32 positions), or more than ``limit`` elements changed (the caller encodes
-    another way).
+    one compiled pass over the tensor (delta_kernel.scan) that compares each 8-byte word once
+    and writes a changed one's elements (position, new bits) where it finds them. ``hashed``:
+    the new bytes' xxh3-128 is taken in the same pass, a slice at a time while it is in cache
+    (:attr:`_Found.digest`; None where xxHash's C API is not at hand: the caller hashes in a
+    second pass). None when the bytes are not whole words, there are 2^31 elements or more
+    (int32 positions), or more than ``limit`` elements changed (the caller encodes another way).
 
     ``under``: an int32 delta not yet written onto ``b`` (the last commit's): each slice of
     ``b`` gets its part just before it is compared, while it is in cache. ``b`` holds all of
     it when this returns, whatever it returns (and if it raises)."""
-    from rlbus.transfer.delta_kernel import (
-        PIECE,
-        changed_lanes,
-        scatter,
-        scratch,
-    )  # numba's import: on the first delta only
+    from rlbus.transfer.checksum import native_stream, native_update
+    from rlbus.transfer.delta_kernel import PIECE, scan, scatter, scratch  # numba: on the first delta
 
     itemsize = a.element_size()
     wa, wb = _words(a), _words(b)
@@ -308,32 +304,41 @@ def _scan(a: torch.Tensor, b: torch.Tensor, limit: int, hasher=None, under: Delt
     values = np.empty(room + lanes, dtype=lane_t)
     words = scratch(min(PIECE, wa.size))
     eb = wb.view(lane_t)
+    slices = -(-wa.size // SCAN_WORDS)
     if under is not None and under.changed:
         upos, uval = under.parts()
-        ubound = np.searchsorted(upos, np.arange(0, wa.size + SCAN_WORDS, SCAN_WORDS, dtype=np.int64) * lanes).tolist()
+        ubound = np.searchsorted(upos, np.arange(slices + 1, dtype=np.int64) * (SCAN_WORDS * lanes))
+        ubound[-1] = upos.size  # every entry lies below the tensor's end
     else:
-        upos = uval = None  # type: ignore[assignment]
-        ubound = []
-    written = 0  # under's entries written onto b so far
-    k = 0
+        upos, uval = np.empty(0, dtype=np.int32), np.empty(0, dtype=lane_t)
+        ubound = np.zeros(slices + 1, dtype=np.int64)
+    stream = native_stream() if hashed else None
+    written = 0  # under's entries written onto b
     try:
-        for c, s in enumerate(range(0, wa.size, SCAN_WORDS)):
-            ca, cb = wa[s : s + SCAN_WORDS], wb[s : s + SCAN_WORDS]
-            if upos is not None and ubound[c + 1] > ubound[c]:
-                lo, hi = ubound[c], ubound[c + 1]
-                scatter(eb, upos[lo:hi], uval[lo:hi])  # type: ignore[index]
-                written = hi
-            if hasher is not None:
-                hasher.update(ca)
-            k = changed_lanes(ca, cb, lanes, s, positions, values, k, room, words)
-            if k < 0:
-                return None
+        k, written = scan(
+            wa,
+            wb,
+            lanes,
+            positions,
+            values,
+            room,
+            words,
+            SCAN_WORDS,
+            stream.update if stream is not None else native_update(),
+            stream.reset() if stream is not None else 0,
+            eb,
+            upos,
+            uval,
+            ubound,
+        )
     finally:
-        if upos is not None and written < upos.size:  # stopped early: the rest of the commit's delta
-            scatter(eb, upos[written:], uval[written:])  # type: ignore[index]
-    if k > limit:
+        if written < upos.size:  # stopped early (or raised): the rest of the commit's delta
+            scatter(eb, upos[written:], uval[written:])
+    if k < 0 or k > limit:
         return None
-    return _Found(changed=k, positions=[positions[:k]], values=[values[:k]])
+    return _Found(
+        changed=k, positions=[positions[:k]], values=[values[:k]], digest=stream.hexdigest() if stream else None
+    )
 
 
 def _int32_limit(numel: int, itemsize: int) -> int:
@@ -385,12 +390,11 @@ def diff_checked(
             under.apply_to(base)
         k, d = _diff_torch(a, b, tuple(new.shape), new.dtype)
         return k, d, digest(k, d)
-    hasher = xxhash.xxh3_128() if kind == "xxh3" else None
-    found = _scan(a, b, _int32_limit(a.numel(), a.element_size()), hasher, under)
+    found = _scan(a, b, _int32_limit(a.numel(), a.element_size()), kind == "xxh3", under)
     if found is not None:
         k, d = _finish(a, b, found, tuple(new.shape), new.dtype)
-        if hasher is not None:
-            return k, d, hasher.hexdigest() if k and d is not None else ""
+        if found.digest is not None:
+            return k, d, found.digest if k and d is not None else ""
         return k, d, digest(k, d)
     k, d = _diff(a, b, tuple(new.shape), new.dtype)
     return k, d, digest(k, d)

@@ -149,3 +149,42 @@ def scatter(dst: np.ndarray, where: np.ndarray, values: np.ndarray) -> None:
     the GIL released (0.095 s: the rest is the cache lines it must read to write one element)."""
     for i in range(where.size):
         dst[where[i]] = values[i]
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def scan(
+    new: np.ndarray,
+    old: np.ndarray,
+    lanes: int,
+    positions: np.ndarray,
+    values: np.ndarray,
+    limit: int,
+    words: np.ndarray,
+    step: int,
+    update,
+    state: int,
+    base: np.ndarray,
+    upos: np.ndarray,
+    uval: np.ndarray,
+    ubound: np.ndarray,
+) -> tuple[int, int]:
+    """A whole tensor's compare in one call (so the GIL is released once, not per slice): per
+    ``step`` words, the last commit's delta entries ``upos[ubound[c]:ubound[c + 1]]`` written onto
+    ``base`` (``old``'s lanes, so ``old`` holds them when it is read), the new slice fed to the
+    xxh3 ``state`` through ``update`` (the ctypes function of checksum.NativeXxh3; ``state`` 0:
+    no hash) and :func:`changed_lanes` run over it. Returns (the count, or -1 once it passes
+    ``limit``; how many of the delta's entries were written: where it stopped, all of them
+    when it ran to the end)."""
+    k = 0
+    c = 0
+    for s in range(0, new.size, step):
+        e = min(s + step, new.size)
+        for q in range(ubound[c], ubound[c + 1]):
+            base[upos[q]] = uval[q]
+        c += 1
+        if state:
+            update(state, new[s:e].ctypes.data, (e - s) * 8)
+        k = changed_lanes(new[s:e], old[s:e], lanes, s, positions, values, k, limit, words)
+        if k < 0:
+            return -1, ubound[c]
+    return k, ubound[c]

@@ -4,6 +4,8 @@ numpy's writes) and on the device path (torch ops, what GPU tensors take) forced
 
 from __future__ import annotations
 
+import importlib
+
 import msgspec
 import pytest
 import torch
@@ -13,6 +15,8 @@ from rlbus.transfer import delta as D
 from rlbus.transfer.base import PlanError
 from rlbus.transfer.buckets import unpack, validate
 from rlbus.transfer.checksum import checksum
+
+checksums = importlib.import_module("rlbus.transfer.checksum")  # the module (rlbus.transfer exports the function)
 
 
 @pytest.fixture(autouse=True, params=["host", "device"])
@@ -233,6 +237,15 @@ def test_changes_on_either_side_of_every_slice_boundary_are_found_with_the_check
     assert digest == checksum(D.bits(new).view(torch.uint8))
     assert _same_bits(_round_trip(new, base), new)
     assert D.diff(new, base)[1].blob.equal(d.blob)
+
+
+def test_without_xxhashs_c_api_the_checksum_is_taken_in_a_second_pass(small_slices, monkeypatch):
+    """The scan hashes through the xxhash wheel's C API; a wheel without it costs a second read, not the checksum."""
+    monkeypatch.setattr(checksums, "native_stream", lambda: None)
+    base = torch.arange(4096).to(torch.bfloat16)
+    new = _changed(base, [0, 100, 4095])
+    k, d, digest = D.diff_checked(new, base)
+    assert k == 3 and d is not None and digest == checksum(D.bits(new).view(torch.uint8))
 
 
 def test_nothing_changed_gives_an_empty_delta_and_no_checksum(small_slices):

@@ -91,3 +91,23 @@ def test_the_environment_forces_the_algorithm_and_nccl_defaults_to_the_device(mo
     monkeypatch.setenv("RLBUS_CHECKSUM", "md5")
     with pytest.raises(ValueError, match="RLBUS_CHECKSUM"):
         checksum_kind("gloo")
+
+
+def test_the_xxh3_stream_compiled_code_feeds_equals_the_wheels_digest_however_it_is_sliced():
+    """The delta scan feeds xxHash's streaming state from numba, a slice at a time: the digest it
+    takes must be the one every worker computes with the wheel's Python API."""
+    import numpy as np
+    import xxhash
+
+    from rlbus.transfer.checksum import native_stream
+
+    stream = native_stream()
+    assert stream is not None, "the pinned xxhash wheel exports xxHash's C API (else every delta is read twice)"
+    data = np.random.default_rng(0).integers(0, 256, (1 << 20) + 37, dtype=np.uint8)
+    for n in (0, 1, 17, 240, 241, 4096, data.size):
+        for step in (7, 100_003, max(n, 1)):
+            state = stream.reset()
+            for s in range(0, n, step):
+                part = data[s : min(n, s + step)]
+                stream.update(state, part.ctypes.data, part.size)
+            assert stream.hexdigest() == xxhash.xxh3_128_hexdigest(data[:n].tobytes()), (n, step)
