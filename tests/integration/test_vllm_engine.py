@@ -447,27 +447,35 @@ async def test_a_failure_inside_vllms_load_is_never_served_and_the_worker_is_rep
 async def test_requests_frozen_by_pause_keep_across_a_push_name_the_old_and_the_new_weights(fleet, models):
     """pause(keep) -> push -> resume: vLLM resumes the frozen requests on the new weights (its
     load skips the drain under keep). Their replies say so: one span of the old (version, seq)
-    for the tokens decoded before the freeze, one of the new for the rest, vLLM's own labels."""
+    for the tokens decoded before the freeze, one of the new for the rest, vLLM's own labels.
+
+    A try where a request ran out before the pause froze it (vLLM admitted the other seconds
+    later, on two busy cores) shows nothing: its reply names only the old weights. Another try
+    follows, under a version string of its own (two commits of one string are one span)."""
     _, rl, engines = fleet
-    old = await rl.get_weight_version_info()
-    # the old weights' own tokens, as far as a freeze soon after decoding began can reach
-    reference = [
-        r.tokens
-        for r in await asyncio.gather(*(rl.generate(PROMPTS[i], REFERENCE_TOKENS, timeout=300.0) for i in range(2)))
-    ]
-    tasks = await decoding_requests(rl, engines, 2)
+    for attempt in range(3):
+        old = await rl.get_weight_version_info()
+        # the old weights' own tokens, as far as a freeze soon after decoding began can reach
+        reference = [
+            r.tokens
+            for r in await asyncio.gather(*(rl.generate(PROMPTS[i], REFERENCE_TOKENS, timeout=300.0) for i in range(2)))
+        ]
+        tasks = await decoding_requests(rl, engines, 2)
 
-    await rl.push_weights(named(models["base"]), version="spans-new", pause_mode="keep")
-    replies = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-
-    new = await rl.get_weight_version_info()
-    assert new.seq == old.seq + 1
-    for r, ref in zip(replies, reference):
-        spans = [(s.version, s.seq, s.start, s.end) for s in r.weight_versions]
-        assert len(r.tokens) == LONG_TOKENS and len(spans) == 2, spans
-        (v0, s0, a0, k), (v1, s1, k1, end) = spans
+        await rl.push_weights(named(models["base"]), version=f"spans-new-{attempt}", pause_mode="keep")
+        replies = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        new = await rl.get_weight_version_info()
+        assert new.seq == old.seq + 1
+        spans = [[(s.version, s.seq, s.start, s.end) for s in r.weight_versions] for r in replies]
+        if attempt < 2 and [(old.version, old.seq, 0, LONG_TOKENS)] in spans:
+            print(f"a request ran out before the freeze: {spans}; another try")
+            continue
+        break
+    for r, ref, got in zip(replies, reference, spans):
+        assert len(r.tokens) == LONG_TOKENS and len(got) == 2, got
+        (v0, s0, a0, k), (v1, s1, k1, end) = got
         assert (v0, s0, a0) == (old.version, old.seq, 0) and (v1, s1) == (new.version, new.seq)
-        assert 0 < k == k1 < end == LONG_TOKENS, spans
+        assert 0 < k == k1 < end == LONG_TOKENS, got
         assert (r.weight_version, r.weight_seq) == (old.version, old.seq), "the top-level version is the first token's"
         n = min(k, len(ref))
         assert r.tokens[:n] == ref[:n], "the tokens before the freeze are the old weights' own"
