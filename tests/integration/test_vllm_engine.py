@@ -49,15 +49,39 @@ STUCK_S = 150.0
 what a hang waits on (pytest-timeout's dump shows threads only; a hang on an idle loop is in a task)."""
 
 
-def _print_tasks() -> None:
-    print(f"---- a test has run for {STUCK_S:g}s; every asyncio task: ----", file=sys.stderr)
+def _frames(coro) -> list:
+    """A task's frames down its await chain (Task.print_stack shows only the outermost)."""
+    frames = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return frames
+
+
+def _print_tasks(engines: dict) -> None:
+    err = sys.stderr
+    print(f"---- a test has run for {STUCK_S:g}s; every asyncio task, then each engine: ----", file=err)
     for t in asyncio.all_tasks():
-        t.print_stack(limit=30, file=sys.stderr)
+        frames = _frames(t.get_coro())
+        if any("nats/aio" in f.f_code.co_filename for f in frames[:1]):
+            continue  # the NATS clients' own loops
+        print(f"{t.get_name()}:", file=err)
+        for f in frames:
+            print(f"    {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}", file=err)
+    for w, e in engines.items():
+        unfinished = getattr(getattr(e.llm, "output_processor", None), "request_states", None)
+        print(
+            f"{w}: status {e.status()}, requests {len(e._requests)}, decoding {e.decoding()}, "
+            f"vLLM's unfinished {list(unfinished) if unfinished is not None else 'not running'}",
+            file=err,
+        )
 
 
 @pytest.fixture(autouse=True)
-async def tasks_shown_if_stuck():
-    shown = asyncio.get_running_loop().call_later(STUCK_S, _print_tasks)
+async def tasks_shown_if_stuck(fleet):
+    shown = asyncio.get_running_loop().call_later(STUCK_S, _print_tasks, fleet[2])
     yield
     shown.cancel()
 
