@@ -71,12 +71,19 @@ def _print_tasks(engines: dict) -> None:
         for f in frames:
             print(f"    {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}", file=err)
     for w, e in engines.items():
-        unfinished = getattr(getattr(e.llm, "output_processor", None), "request_states", None)
-        print(
-            f"{w}: status {e.status()}, requests {len(e._requests)}, decoding {e.decoding()}, "
-            f"vLLM's unfinished {list(unfinished) if unfinished is not None else 'not running'}",
-            file=err,
-        )
+        print(f"{w}: {engine_view(e)}", file=err)
+
+
+def engine_view(e: VllmEngine) -> dict:
+    """One worker's requests as rlbus and vLLM's client see them: what a stuck or failed test names."""
+    unfinished = getattr(getattr(e.llm, "output_processor", None), "request_states", None)
+    return dict(
+        requests=len(e._requests),
+        decoding=e.decoding(),
+        paused=e.status().paused,
+        recovering=e.recovering,
+        vllm_unfinished=list(unfinished) if unfinished is not None else "not running",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -304,13 +311,7 @@ async def request_states(engines) -> dict[str, dict]:
             vllm_paused = await asyncio.wait_for(e.llm.is_paused(), 10)
         except Exception as err:  # restarting, or vLLM does not answer
             vllm_paused = f"no answer ({type(err).__name__})"
-        out[w] = dict(
-            requests=len(e._requests),
-            decoding=e.decoding(),
-            paused=e.status().paused,
-            vllm_paused=vllm_paused,
-            recovering=e.recovering,
-        )
+        out[w] = {**engine_view(e), "vllm_paused": vllm_paused}
     return out
 
 
