@@ -19,6 +19,10 @@ class GenerateRequest(Message, frozen=True, kw_only=True, tag="generate"):
     seed: int | None = None
     """Sampling seed (temperature > 0); same seed, same weights -> same tokens."""
     return_logprobs: bool = False
+    request_id: str | None = None
+    """Names the request across its sends. A client sends it again when its link to NATS came
+    back (a reply sent meanwhile is lost): the worker that runs or lately ran that id answers
+    with that run's reply; another worker runs it afresh. The SDK sets one on every request."""
 
 
 class WeightVersionSpan(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,6 +21,8 @@ class Blackhole:
         self.tripwire: tuple[bytes, Callable[[], None]] | None = None
         """(pattern, act): the first bytes from the server that contain `pattern` run `act`
         before they are passed on (a signal to the client the moment a command reaches it)."""
+        self.swallowed = bytearray()
+        """What the server sent that the hole swallowed (the last 64 KiB)."""
 
     async def __aenter__(self) -> Blackhole:
         self._server = await asyncio.start_server(self._on_client, "127.0.0.1", 0)
@@ -58,6 +60,8 @@ class Blackhole:
                     if not self.holed:
                         w.write(data)
                         await w.drain()
+                    elif down:
+                        self.swallowed = (self.swallowed + data)[-65536:]
             except (ConnectionError, OSError):
                 pass
             finally:

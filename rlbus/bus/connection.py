@@ -18,7 +18,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from rlbus.bus.replies import Call
+from rlbus.bus.replies import Call, Relinks, keep_relinks
 from rlbus.schemas import PermissionDenied
 
 log = logging.getLogger("rlbus.bus.connection")
@@ -171,6 +171,7 @@ async def connect(
     seconds). Credentials come from `auth`, else from the RLBUS_NATS_* environment."""
     auth = auth or NatsAuth.from_env()
     denials = Denials()
+    relinks = Relinks()
     refused = anyio.Event()
     reason: list[Exception] = []
     connected = False
@@ -197,6 +198,7 @@ async def connect(
 
     async def on_reconnect() -> None:
         gone = time.monotonic() - down[0] if down else 0.0
+        relinks.happened()
         log.log(
             logging.WARNING if gone > QUIET_RECONNECT_S else logging.DEBUG,
             "%s: reconnected to NATS after %.1fs",
@@ -236,6 +238,7 @@ async def connect(
     nc = result[0]
     connected = True
     _DENIALS[nc] = denials
+    keep_relinks(nc, relinks)
     return nc
 
 

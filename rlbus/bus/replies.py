@@ -7,12 +7,21 @@ than one attempt (a state store riding out a node loss for 15 s, against the SDK
 attempts) reached a subject nobody listened on any more, and the resend that waited behind it
 started the wait over. Here a call keeps one reply subject for all of its sends, on one wildcard
 subscription per connection (as nats-py's own request mux), and the first answer to any of them
-is the answer: they all carry one command id, which runs once."""
+is the answer: they all carry one command id, which runs once.
+
+A reply sent while the caller's link was down is lost (NATS drops what reaches no subscriber),
+so a call also sends again after each reconnect of its connection: a command answers from its
+id's first run, a generation from the worker that runs or ran its request id (else another
+worker runs it). Seen on a loaded host: nats-server answered no PING for 5-10 s (one of its
+threads in fsync, the others waiting for a core), every client reconnected, and two replies a
+worker sent in those 10 ms before the caller's subscription was back were gone: the call waited
+out its 300 s."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import weakref
 
 import nats.errors
 import nats.js.api
@@ -23,6 +32,43 @@ from nats.aio.subscription import Subscription
 from rlbus.schemas import FIRST_SEND_HEADER
 
 _FIRST = {FIRST_SEND_HEADER: "1"}
+
+
+class Relinks:
+    """A connection's reconnects. NATS drops a message that reaches no subscriber, and while a
+    link is down its subscriptions are gone from the server: a reply sent then is lost, and a
+    call waiting for it sends again once the link is back (Call.ask)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._next: asyncio.Future[None] | None = None
+
+    def next(self) -> asyncio.Future[None]:
+        """Done at the next reconnect (its subscriptions are back on the server by then)."""
+        if self._next is None or self._next.done():
+            self._next = asyncio.get_running_loop().create_future()
+        return self._next
+
+    def happened(self) -> None:
+        self.count += 1
+        if self._next is not None and not self._next.done():
+            self._next.set_result(None)
+
+
+_RELINKS: weakref.WeakKeyDictionary[Client, Relinks] = weakref.WeakKeyDictionary()
+
+
+def keep_relinks(nc: Client, relinks: Relinks) -> None:
+    """The record `connect` keeps of `nc`'s reconnects."""
+    _RELINKS[nc] = relinks
+
+
+def relinks_of(nc: Client) -> Relinks:
+    """The Relinks record of a connection made by bus.connection.connect (one that never fires otherwise)."""
+    r = _RELINKS.get(nc)
+    if r is None:
+        r = _RELINKS[nc] = Relinks()
+    return r
 
 
 class ReplyInbox:
@@ -105,9 +151,18 @@ class Call:
         prefix = await self._inbox._open()
         first = _FIRST if self.fresh and self.sent == 0 else None
         self.sent += 1
-        await self._inbox.nc.publish(subject, payload, reply=prefix + self.token, headers=first)
-        # asyncio.wait leaves the answer's future alone when it times out: a later send shares it
-        await asyncio.wait((answer,), timeout=timeout)
+        nc = self._inbox.nc
+        await nc.publish(subject, payload, reply=prefix + self.token, headers=first)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        relinks = relinks_of(nc)
+        while not answer.done() and (left := end - loop.time()) > 0:
+            relinked = relinks.next()
+            # asyncio.wait leaves both futures alone when it returns: a later send shares the answer
+            await asyncio.wait((answer, relinked), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done() and relinked.done():  # a reply sent while the link was down is lost
+                self.sent += 1
+                await nc.publish(subject, payload, reply=prefix + self.token)
         if not answer.done():
             raise nats.errors.TimeoutError
         msg = answer.result()

@@ -509,6 +509,7 @@ class RLClient:
             temperature=temperature,
             seed=seed,
             return_logprobs=return_logprobs,
+            request_id=uuid.uuid4().hex,  # a send after a reconnect is the same request
         )
         return await self._ask(
             self.subjects.generate,

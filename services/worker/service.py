@@ -72,6 +72,7 @@ from rlbus.bus.connection import request, stop_service
 
 from .book import Book, WeightLabel
 from .engine import Engine
+from .generations import Generations
 from .repair import RepairSource
 from .updates import WeightUpdates
 from .verify import hash_weights
@@ -121,6 +122,7 @@ class WorkerService:
         """The engine was seen recovering from a failed load (see _follow_recovery)."""
         self._last_beat = time.monotonic()
         self._generate_service: Service | None = None
+        self._generations = Generations()
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -550,7 +552,8 @@ class WorkerService:
                 return encode(e.to_nack())
             return encode(msgspec.structs.replace(r, worker_id=self.id))
 
-        self._endpoints.spawn(req, work)
+        # a send again after the client's link came back joins the run of its request id
+        self._endpoints.spawn(req, lambda: self._generations.run(gen.request_id, work))
 
 
 def _tags(tags: list | None) -> list:

@@ -195,6 +195,38 @@ async def test_a_version_watcher_started_while_the_server_is_down_yields_once_it
 # ---- a blackholed connection -------------------------------------------------------------------
 
 
+async def test_a_generate_reply_lost_while_the_callers_link_was_down_is_asked_again_and_answered(fleet, server, prefix):
+    """A worker's reply that reaches the caller's connection while its link is silent is lost
+    (NATS keeps nothing for a subscriber that is gone). After the reconnect the SDK sends the
+    request again under its request id, and the call is answered: it does not wait out its
+    deadline (seen in the vLLM tests on a loaded host: nats-server answered no PING for 5-10 s,
+    every client reconnected, and two replies were gone)."""
+    f, rl = fleet
+    assert server.port is not None
+    async with Blackhole(server.port) as hole:
+        far = await RLClient.connect(hole.url, prefix=prefix, timeout=20.0)  # only its link goes through the proxy
+        try:
+            await rl.pause("keep")  # new requests wait for the resume
+            try:
+                call = asyncio.create_task(far.generate([1, 2, 3], 4, timeout=20.0))
+                await eventually(
+                    lambda: sum(w.engine.status().waiting for w in f.workers.values()) == 1,
+                    what="the request held by the pause",
+                )
+                hole.holed = True  # the caller's link goes silent
+            finally:
+                await rl.resume()
+            await eventually(lambda: b"generate_reply" in hole.swallowed, timeout=10, what="the reply lost on the link")
+            hole.holed = False
+            hole.cut()  # the link resets: the SDK reconnects through the proxy
+            reply = await asyncio.wait_for(call, 10)
+        finally:
+            await far.close()
+    assert len(reply.tokens) == 4 and reply.worker_id in WORKERS
+    again = await rl.generate([1, 2, 3], 4)
+    assert (reply.tokens, reply.weight_version) == (again.tokens, again.weight_version), "as a call that lost nothing"
+
+
 async def test_a_blackholed_worker_is_detected_within_seconds_and_rejoins_when_the_link_returns(fleet, server, prefix):
     f, rl = fleet
     assert f.controller is not None and server.port is not None
