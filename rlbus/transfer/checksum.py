@@ -109,6 +109,7 @@ class NativeXxh3:
     def __init__(self, lib: _Xxh3Lib) -> None:
         self._lib = lib
         self.update = lib.update
+        self.reset_fn = lib.reset
         self.state = lib.create()
         if not self.state:
             raise MemoryError("XXH3_createState failed")
@@ -117,6 +118,10 @@ class NativeXxh3:
         """Start a new digest; returns the state's address for the compiled code."""
         self._lib.reset(self.state)
         return self.state
+
+    def fresh(self) -> NativeXxh3:
+        """Another state of the same library (a compiled call feeding many digests at once)."""
+        return NativeXxh3(self._lib)
 
     def hexdigest(self) -> str:
         h = self._lib.digest(self.state)

@@ -44,7 +44,7 @@ from rlbus.transfer.buckets import (
     dtype_name,
     torch_dtype,
 )
-from rlbus.transfer.checksum import ChecksumKind, checksum, checksum_kind
+from rlbus.transfer.checksum import ChecksumKind, NativeXxh3, checksum, checksum_kind
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22
@@ -398,6 +398,186 @@ def diff_checked(
         return k, d, digest(k, d)
     k, d = _diff(a, b, tuple(new.shape), new.dtype)
     return k, d, digest(k, d)
+
+
+BLOB_CHUNK = 16 << 20
+"""Bytes of the buffer :func:`diff_many` writes blobs into (more where one tensor's most room needs it).
+Pages it does not write are never touched; the blobs are views of it."""
+
+
+class _Many(threading.local):
+    """A compare thread's scratch for :func:`diff_many`, kept between calls: the xxh3 states
+    (one a tensor of a call), the values scratch per element width, the kernel's word list."""
+
+    def __init__(self) -> None:
+        self.states: list[NativeXxh3] = []
+        self.values: dict[int, np.ndarray] = {}
+        self.words: np.ndarray | None = None
+
+    def state_list(self, n: int, lib: NativeXxh3) -> list[NativeXxh3]:
+        while len(self.states) < n:
+            self.states.append(lib.fresh())
+        return self.states[:n]
+
+    def value_room(self, itemsize: int, n: int) -> np.ndarray:
+        v = self.values.get(itemsize)
+        if v is None or v.size < n:
+            v = self.values[itemsize] = np.empty(max(n, 1 << 16), dtype=_UINT[itemsize])
+        return v
+
+
+_many = _Many()
+
+
+def _whole_words(new: torch.Tensor, base: torch.Tensor, under: Delta | None) -> bool:
+    """Whether :func:`diff_many` compares this pair in its compiled call: both on the host,
+    one dtype and shape, contiguous, whole aligned 8-byte words, int32 positions, and an
+    int32 host delta (if any) of the same element width."""
+    if new.device.type != "cpu" or base.device.type != "cpu" or new.dtype != base.dtype or new.shape != base.shape:
+        return False
+    if not (new.is_contiguous() and base.is_contiguous()) or new.numel() > 2**31:
+        return False
+    if (new.numel() * new.element_size()) % 8 or new.data_ptr() % 8 or base.data_ptr() % 8:
+        return False
+    return under is None or (
+        under.index == "int32" and under.blob.device.type == "cpu" and under.dtype.itemsize == new.element_size()
+    )
+
+
+def diff_many(
+    items: list[tuple[torch.Tensor, torch.Tensor, Delta | None]], kind: ChecksumKind
+) -> list[tuple[int, Delta | None, str]]:
+    """:func:`diff_checked` of many (new, base, under) at once. Host tensors of whole words,
+    hashed with xxh3, go through one compiled call per element width (delta_kernel.scan_many:
+    the GIL is released once, not once a tensor), their blobs written side by side into one
+    buffer (each a view of it); the others one by one. Every ``under`` is written onto its base
+    when this returns, whatever it returns (and if it raises)."""
+    from rlbus.transfer.checksum import native_stream
+
+    results: list[tuple[int, Delta | None, str] | None] = [None] * len(items)
+    stream = native_stream() if kind == "xxh3" and os.environ.get(DEVICE_ENV, "").strip().lower() != "device" else None
+    widths: dict[int, list[int]] = {}
+    rest: list[int] = []
+    for i, (new, base, under) in enumerate(items):
+        if stream is not None and _whole_words(new, base, under):
+            widths.setdefault(new.element_size(), []).append(i)
+        else:
+            rest.append(i)
+    done: set[int] = set()  # compared, its under written
+    try:
+        for itemsize, idx in widths.items():
+            assert stream is not None
+            _diff_width(items, idx, itemsize, stream, results, done)
+        for i in rest:
+            results[i] = diff_checked(*items[i], kind)
+            done.add(i)
+    except BaseException:
+        for i, (_, base, under) in enumerate(items):
+            if i not in done and under is not None:
+                try:
+                    under.apply_to(base)  # writing a delta twice writes the same bits
+                except Exception:  # a base it cannot go onto: the first error is the one to tell
+                    pass
+        raise
+    return results  # type: ignore[return-value]
+
+
+def _diff_width(
+    items: list[tuple[torch.Tensor, torch.Tensor, Delta | None]],
+    idx: list[int],
+    itemsize: int,
+    stream: NativeXxh3,
+    results: list[tuple[int, Delta | None, str] | None],
+    done: set[int],
+) -> None:
+    """:func:`diff_many`'s compiled call for the tensors ``idx`` (one element width)."""
+    from rlbus.transfer.delta_kernel import PIECE, scan_many, scratch
+    from rlbus.transfer.delta_kernel import VALUES_ALIGN as KERNEL_ALIGN
+
+    assert KERNEL_ALIGN == VALUES_ALIGN
+    n, lanes = len(idx), 8 // itemsize
+    new_at = np.empty(n, dtype=np.int64)
+    old_at = np.empty(n, dtype=np.int64)
+    nwords = np.empty(n, dtype=np.int64)
+    limits = np.empty(n, dtype=np.int64)
+    upos = np.zeros(n, dtype=np.int64)
+    uval = np.zeros(n, dtype=np.int64)
+    un = np.zeros(n, dtype=np.int64)
+    most = np.empty(n, dtype=np.int64)
+    for j, i in enumerate(idx):
+        new, base, under = items[i]
+        numel = new.numel()
+        new_at[j], old_at[j], nwords[j] = new.data_ptr(), base.data_ptr(), numel * itemsize // 8
+        limits[j] = _int32_limit(numel, itemsize)
+        slots = min(int(limits[j]), numel) + lanes
+        most[j] = align_up(4 * slots, VALUES_ALIGN) + slots * itemsize
+        if under is not None and under.changed:
+            upos[j] = under.blob.data_ptr()
+            uval[j] = upos[j] + align_up(4 * under.changed, VALUES_ALIGN)
+            un[j] = under.changed
+    states = _many.state_list(n, stream)
+    addresses = np.array([s.state for s in states], dtype=np.int64)
+    values = _many.value_room(itemsize, int(np.minimum(limits, nwords * lanes).max(initial=0)) + lanes)
+    if _many.words is None:
+        _many.words = scratch(PIECE)
+    counts = np.zeros(n, dtype=np.int64)
+    offsets = np.zeros(n, dtype=np.int64)
+    first = 0
+    while first < n:
+        cap = int(min(most[first:].sum(), max(BLOB_CHUNK, most[first])))
+        out = torch.empty(cap, dtype=torch.uint8)
+        stop, _ = scan_many(
+            new_at,
+            old_at,
+            nwords,
+            lanes,
+            limits,
+            upos,
+            uval,
+            un,
+            out.numpy(),
+            0,
+            first,
+            counts,
+            offsets,
+            values,
+            _many.words,
+            SCAN_WORDS,
+            stream.update,
+            stream.reset_fn,
+            addresses,
+        )
+        for j in range(first, stop):
+            i = idx[j]
+            done.add(i)
+            results[i] = _kept(items[i], int(counts[j]), out, int(offsets[j]), states[j])
+        first = stop
+
+
+def _kept(
+    item: tuple[torch.Tensor, torch.Tensor, Delta | None], k: int, out: torch.Tensor, at: int, state: NativeXxh3
+) -> tuple[int, Delta | None, str]:
+    """The result of one tensor of :func:`scan_many`: its blob in ``out`` at ``at`` (``k``
+    changed), or, more changed than int32 positions allow (-1), the general way."""
+    new, base = item[0], item[1]
+    shape, dtype = tuple(new.shape), new.dtype
+    numel, itemsize = new.numel(), new.element_size()
+    if k < 0:
+        a, b = bits(new), bits(base)
+        k, d = _diff(a, b, shape, dtype)
+        return k, d, checksum(a.view(torch.uint8), "xxh3") if k and d is not None else ""
+    if k == 0:
+        return 0, Delta(index="int32", changed=0, blob=out[at:at], shape=shape, dtype=dtype), ""
+    cost = sizes(k, numel, itemsize)
+    index = choose(cost)
+    if cost[index] >= cost["dense"]:
+        return k, None, ""
+    voff = align_up(4 * k, VALUES_ALIGN)
+    blob = out[at : at + voff + k * itemsize]
+    if index == "int32":
+        return k, Delta(index="int32", changed=k, blob=blob, shape=shape, dtype=dtype), state.hexdigest()
+    pos = torch.from_numpy(blob[: 4 * k].numpy().view(np.int32).astype(np.int64))
+    return k, _build(bits(new), pos, None, index, shape, dtype), state.hexdigest()
 
 
 def _finish(

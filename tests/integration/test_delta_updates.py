@@ -175,13 +175,13 @@ async def test_the_compares_of_every_group_and_every_push_run_on_the_same_kept_t
     monkeypatch.setattr(P, "DELTA_GROUPS", 4)
     monkeypatch.setattr(rl.push, "encode_threads", 2)
     ran_on: list[set[int]] = []
-    diff_checked = D.diff_checked
+    diff_many = D.diff_many
 
     def recorded(*args, **kw):
         ran_on[-1].add(threading.get_native_id())
-        return diff_checked(*args, **kw)
+        return diff_many(*args, **kw)
 
-    monkeypatch.setattr(D, "diff_checked", recorded)
+    monkeypatch.setattr(D, "diff_many", recorded)
     for _ in range(2):
         ran_on.append(set())
         master.step()

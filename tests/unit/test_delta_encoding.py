@@ -366,3 +366,100 @@ def test_a_gpu_tensor_is_compared_on_the_gpu_against_a_base_there_or_in_pinned_m
     out = base.cuda()
     D.write(out, d.blob, _planned(d))
     assert _same_bits(out.cpu(), new)
+
+
+# --- many tensors in one compiled call (what a push's compare thread does) ------------------------------------
+
+
+def _batch() -> list[tuple[torch.Tensor, torch.Tensor, D.Delta | None]]:
+    """(new, base, under) of every kind a push meets: sparse bf16 and float32 changes with and
+    without the last commit's delta under the base, nothing or everything changed, a bitmap's
+    worth, odd bytes, a strided tensor."""
+    g = torch.Generator().manual_seed(11)
+    out: list[tuple[torch.Tensor, torch.Tensor, D.Delta | None]] = []
+    for dtype, numel, where in [
+        (torch.bfloat16, 4000, [0, 1, 63, 64, 2000, 3999]),
+        (torch.float32, 3000, list(range(0, 3000, 7))),
+        (torch.bfloat16, 1024, []),
+        (torch.float16, 15, [3]),  # 30 bytes: not whole words
+    ]:
+        v0 = torch.randn(numel, generator=g).to(dtype)
+        v1 = _changed(v0, [1, 5, numel - 1])
+        under = D.encode(v1, v0)
+        out.append((_changed(v1, where), v0.clone(), under))  # base v0 + under = v1, the committed bits
+        out.append((_changed(v0, where), v0.clone(), None))
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    many = base.clone()
+    many[::3], many[1::3] = 1, 1
+    out += [(many, base, None), (base + 1, base.clone(), None)]
+    wide = torch.randn(8, 16).to(torch.bfloat16)
+    out.append((_changed(wide, [5]).t(), wide.t().contiguous(), None))  # strided: compared element-wise
+    return out
+
+
+def _committed(item: tuple[torch.Tensor, torch.Tensor, D.Delta | None]) -> torch.Tensor:
+    new, base, under = item
+    want = base.clone()
+    if under is not None:
+        under.apply_to(want)
+    return want
+
+
+@pytest.mark.parametrize("chunk", [D.BLOB_CHUNK, 64])
+def test_many_tensors_compared_at_once_equal_each_compared_alone(small_slices, monkeypatch, chunk):
+    """diff_many (one compiled call a width, the blobs side by side in one buffer; a tiny buffer
+    makes it start a new one for nearly every tensor) gives each tensor what diff_checked gives:
+    the count, the same blob, the checksum, and its base holding the delta that was under it."""
+    monkeypatch.setattr(D, "BLOB_CHUNK", chunk)
+    items = _batch()
+    alone = [(n, b.clone(), u) for n, b, u in items]
+    want = [D.diff_checked(*it, "xxh3") for it in alone]
+    got = D.diff_many(items, "xxh3")
+    for (k, d, digest), (wk, wd, wdigest), it, wit in zip(got, want, items, alone):
+        assert (k, digest) == (wk, wdigest) and (d is None) == (wd is None)
+        if d is not None:
+            assert (d.index, d.changed) == (wd.index, wd.changed) and d.blob.equal(wd.blob)
+            assert _same_bits(_round_trip(it[0], wit[1]), it[0])
+        assert _same_bits(it[1], wit[1])
+
+
+def test_many_tensors_compared_at_once_leave_every_base_holding_its_delta_when_one_fails(small_slices, monkeypatch):
+    """A failure part-way (the first result, or a tensor compared on its own) still writes every
+    last commit's delta onto its base: the trainer's copy stays the committed bits."""
+    items = _batch()
+    want = [_committed(it) for it in items]
+    calls: list[str] = []
+
+    def second_fails(f):
+        def call(*a, **k):
+            calls.append(f.__name__)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return f(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(D, "_kept", second_fails(D._kept))
+    monkeypatch.setattr(D, "diff_checked", second_fails(D.diff_checked))
+    with pytest.raises(RuntimeError, match="boom"):
+        D.diff_many(items, "xxh3")
+    assert all(_same_bits(it[1], w) for it, w in zip(items, want))
+
+
+def test_the_blobs_of_many_compared_at_once_share_one_buffer_and_each_decodes(small_slices, path):
+    """On the host the blobs are views of one buffer, each its own contiguous bytes, planned,
+    validated and written like any other delta's."""
+    g = torch.Generator().manual_seed(3)
+    bases = [torch.randn(1000 + 8 * i, generator=g).to(torch.bfloat16) for i in range(4)]
+    news = [_changed(b, [i, 500, 999]) for i, b in enumerate(bases)]
+    got = D.diff_many([(n, b, None) for n, b in zip(news, bases)], "xxh3")
+    assert [k for k, _, _ in got] == [3, 3, 3, 3]
+    storages = {d.blob.untyped_storage().data_ptr() for _, d, _ in got}
+    assert len(storages) == (1 if path == "host" else 4)
+    for (_, d, digest), new, base in zip(got, news, bases):
+        assert d.blob.is_contiguous() and digest == checksum(D.bits(new).view(torch.uint8))
+        meta = _planned(d)
+        validate([meta], [BucketMeta(index=0, nbytes=meta.nbytes)])
+        out = base.clone()
+        D.write(out, d.blob.clone(), meta)
+        assert _same_bits(out, new)
