@@ -304,18 +304,13 @@ def _scan(
     values = np.empty(room + lanes, dtype=lane_t)
     words = scratch(min(PIECE, wa.size))
     eb = wb.view(lane_t)
-    slices = -(-wa.size // SCAN_WORDS)
     if under is not None and under.changed:
         upos, uval = under.parts()
-        ubound = np.searchsorted(upos, np.arange(slices + 1, dtype=np.int64) * (SCAN_WORDS * lanes))
-        ubound[-1] = upos.size  # every entry lies below the tensor's end
     else:
         upos, uval = np.empty(0, dtype=np.int32), np.empty(0, dtype=lane_t)
-        ubound = np.zeros(slices + 1, dtype=np.int64)
     stream = native_stream() if hashed else None
-    written = 0  # under's entries written onto b
     try:
-        k, written = scan(
+        k = scan(
             wa,
             wb,
             lanes,
@@ -329,11 +324,10 @@ def _scan(
             eb,
             upos,
             uval,
-            ubound,
         )
-    finally:
-        if written < upos.size:  # stopped early (or raised): the rest of the commit's delta
-            scatter(eb, upos[written:], uval[written:])
+    except BaseException:  # before the kernel ran (its first compile, say): the delta lands all the same
+        scatter(eb, upos, uval)
+        raise
     if k < 0 or k > limit:
         return None
     return _Found(

@@ -168,28 +168,31 @@ def scan(
     base: np.ndarray,
     upos: np.ndarray,
     uval: np.ndarray,
-    ubound: np.ndarray,
-) -> tuple[int, int]:
+) -> int:
     """A whole tensor's compare in one call (so the GIL is released once, not per slice): per
-    ``step`` words, the last commit's delta entries ``upos[ubound[c]:ubound[c + 1]]`` written onto
-    ``base`` (``old``'s lanes, so ``old`` holds them when it is read), the new slice fed to the
-    xxh3 ``state`` through ``update`` (the ctypes function of checksum.NativeXxh3; ``state`` 0:
-    no hash) and :func:`changed_lanes` run over it. Returns (the count, or -1 once it passes
-    ``limit``; how many of the delta's entries were written: where it stopped, all of them
-    when it ran to the end)."""
+    ``step`` words, the last commit's delta entries (``upos``, ascending, and ``uval``) that
+    fall in the slice written onto ``base`` (``old``'s lanes, so ``old`` holds them when it is
+    read), the new slice fed to the xxh3 ``state`` through ``update`` (the ctypes function of
+    checksum.NativeXxh3; ``state`` 0: no hash) and :func:`changed_lanes` run over it. Returns
+    the count, or -1 once it passes ``limit``; every entry of the delta is written onto
+    ``base`` either way."""
     k = 0
-    c = 0
+    q = 0
     for s in range(0, new.size, step):
         e = min(s + step, new.size)
-        for q in range(ubound[c], ubound[c + 1]):
+        end = e * lanes
+        while q < upos.size and upos[q] < end:
             base[upos[q]] = uval[q]
-        c += 1
+            q += 1
         if state:
             update(state, new[s:e].ctypes.data, (e - s) * 8)
         k = changed_lanes(new[s:e], old[s:e], lanes, s, positions, values, k, limit, words)
         if k < 0:
-            return -1, ubound[c]
-    return k, ubound[c]
+            break
+    while q < upos.size:  # stopped early: the rest of the commit's delta
+        base[upos[q]] = uval[q]
+        q += 1
+    return k
 
 
 @intrinsic
@@ -260,25 +263,9 @@ def scan_many(
         positions = numba.carray(_at(base + at), slots, np.int32)
         upos = numba.carray(_at(under_pos_at[i]), under_n[i], np.int32)
         uval = numba.carray(_at(under_val_at[i]), under_n[i], values.dtype)
-        state = states[i]
-        if state:
-            reset(state)
-        k = 0
-        q = 0
-        for s in range(0, n, step):
-            e = min(s + step, n)
-            end = e * lanes
-            while q < upos.size and upos[q] < end:
-                elems[upos[q]] = uval[q]
-                q += 1
-            if state:
-                update(state, new[s:e].ctypes.data, (e - s) * 8)
-            k = changed_lanes(new[s:e], old[s:e], lanes, s, positions, values, k, room, words)
-            if k < 0:
-                break
-        while q < upos.size:  # stopped early: the rest of the commit's delta
-            elems[upos[q]] = uval[q]
-            q += 1
+        if states[i]:
+            reset(states[i])
+        k = scan(new, old, lanes, positions, values, room, words, step, update, states[i], elems, upos, uval)
         if k < 0 or k > limits[i]:
             counts[i] = -1
             offsets[i] = at

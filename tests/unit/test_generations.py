@@ -22,11 +22,17 @@ class Work:
         return f"reply {self.runs}".encode()
 
 
-async def test_a_send_again_while_the_request_runs_waits_for_that_run():
-    gens, work = G.Generations(), Work()
+async def two_sends(gens: G.Generations, work: Work) -> tuple[asyncio.Task, asyncio.Task]:
+    """A request's first send, and a send again while it runs."""
     first = asyncio.create_task(gens.run("r1", work))
     again = asyncio.create_task(gens.run("r1", work))
     await asyncio.sleep(0)  # both sends in (no condition to wait on: they only start)
+    return first, again
+
+
+async def test_a_send_again_while_the_request_runs_waits_for_that_run():
+    gens, work = G.Generations(), Work()
+    first, again = await two_sends(gens, work)
     assert gens.running == 1 and not again.done()
     work.release.set()
     assert await first == await again == b"reply 1" and work.runs == 1
@@ -48,9 +54,7 @@ async def test_a_request_without_an_id_runs_on_every_send():
 
 async def test_a_run_that_ends_without_a_reply_leaves_it_to_the_send_that_waits():
     gens, work = G.Generations(), Work()
-    first = asyncio.create_task(gens.run("r1", work))
-    again = asyncio.create_task(gens.run("r1", work))
-    await asyncio.sleep(0)
+    first, again = await two_sends(gens, work)
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -61,9 +65,7 @@ async def test_a_run_that_ends_without_a_reply_leaves_it_to_the_send_that_waits(
 
 async def test_a_waiting_send_cancelled_leaves_the_run_alone():
     gens, work = G.Generations(), Work()
-    first = asyncio.create_task(gens.run("r1", work))
-    again = asyncio.create_task(gens.run("r1", work))
-    await asyncio.sleep(0)
+    first, again = await two_sends(gens, work)
     again.cancel()
     work.release.set()
     assert await first == b"reply 1"
