@@ -141,8 +141,9 @@ class Call:
     async def ask(self, subject: str, payload: bytes, timeout: float) -> Msg:
         """The answer to this call: one that arrived since the last send returns at once;
         otherwise send once more and wait up to `timeout` for an answer to this send or any
-        before it. Raises as nats-py's request does: NoRespondersError, TimeoutError. The first
-        send of a fresh call says it is one (FIRST_SEND_HEADER)."""
+        before it, sending again after each reconnect of the connection meanwhile (a reply sent
+        while the link was down is lost). Raises as nats-py's request does: NoRespondersError,
+        TimeoutError. The first send of a fresh call says it is one (FIRST_SEND_HEADER)."""
         if self._answer.done():
             if not _nobody(self._answer.result()):
                 return self._answer.result()
