@@ -165,7 +165,7 @@ def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[int, Delta | None]:
         return _diff_torch(a, b, shape, dtype)
     found = _scan(a, b, _int32_limit(a.numel(), a.element_size()))
     if found is not None:
-        return _finish(a, b, found, shape, dtype)
+        return _finish(a, found, shape, dtype)
     return _diff(a, b, shape, dtype)
 
 
@@ -261,6 +261,8 @@ class _Found:
     values: list[np.ndarray]
     digest: str | None = None
     """The new bytes' xxh3-128, taken in the scan's pass (None: not asked for, or not at hand)."""
+    blob: torch.Tensor | None = None
+    """The int32 delta's blob, written already (:func:`diff_many`: positions and values are views of it)."""
 
 
 def _words(t: torch.Tensor) -> np.ndarray | None:
@@ -342,6 +344,8 @@ def _int32_limit(numel: int, itemsize: int) -> int:
 
 def _blob(found: _Found, numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Delta:
     """The int32-indexed delta of what :func:`_scan` found, written straight into one blob."""
+    if found.blob is not None:
+        return Delta(index="int32", changed=found.changed, blob=found.blob, shape=shape, dtype=dtype)
     k, itemsize = found.changed, dtype.itemsize
     inb = delta_index_nbytes("int32", k, numel)
     voff = align_up(inb, VALUES_ALIGN)
@@ -386,7 +390,7 @@ def diff_checked(
         return k, d, digest(k, d)
     found = _scan(a, b, _int32_limit(a.numel(), a.element_size()), kind == "xxh3", under)
     if found is not None:
-        k, d = _finish(a, b, found, tuple(new.shape), new.dtype)
+        k, d = _finish(a, found, tuple(new.shape), new.dtype)
         if found.digest is not None:
             return k, d, found.digest if k and d is not None else ""
         return k, d, digest(k, d)
@@ -424,10 +428,10 @@ _many = _Many()
 
 
 def _whole_words(new: torch.Tensor, base: torch.Tensor, under: Delta | None) -> bool:
-    """Whether :func:`diff_many` compares this pair in its compiled call: both on the host,
-    one dtype and shape, contiguous, whole aligned 8-byte words, int32 positions, and an
-    int32 host delta (if any) of the same element width."""
-    if new.device.type != "cpu" or base.device.type != "cpu" or new.dtype != base.dtype or new.shape != base.shape:
+    """Whether :func:`diff_many` compares this pair in its compiled call: both on the host (and
+    not forced onto the torch path, :func:`on_device`), one dtype and shape, contiguous, whole
+    aligned 8-byte words, int32 positions, and an int32 host delta (if any) of its width."""
+    if on_device(new) or base.device.type != "cpu" or new.dtype != base.dtype or new.shape != base.shape:
         return False
     if not (new.is_contiguous() and base.is_contiguous()) or new.numel() > 2**31:
         return False
@@ -449,7 +453,7 @@ def diff_many(
     from rlbus.transfer.checksum import native_stream
 
     results: list[tuple[int, Delta | None, str] | None] = [None] * len(items)
-    stream = native_stream() if kind == "xxh3" and os.environ.get(DEVICE_ENV, "").strip().lower() != "device" else None
+    stream = native_stream() if kind == "xxh3" else None
     widths: dict[int, list[int]] = {}
     rest: list[int] = []
     for i, (new, base, under) in enumerate(items):
@@ -520,7 +524,7 @@ def _diff_width(
     while first < n:
         cap = int(min(most[first:].sum(), max(BLOB_CHUNK, most[first])))
         out = torch.empty(cap, dtype=torch.uint8)
-        stop, _ = scan_many(
+        stop = scan_many(
             new_at,
             old_at,
             nwords,
@@ -530,7 +534,6 @@ def _diff_width(
             uval,
             un,
             out.numpy(),
-            0,
             first,
             counts,
             offsets,
@@ -551,34 +554,26 @@ def _diff_width(
 def _kept(
     item: tuple[torch.Tensor, torch.Tensor, Delta | None], k: int, out: torch.Tensor, at: int, state: NativeXxh3
 ) -> tuple[int, Delta | None, str]:
-    """The result of one tensor of :func:`scan_many`: its blob in ``out`` at ``at`` (``k``
-    changed), or, more changed than int32 positions allow (-1), the general way."""
+    """The result of one tensor of :func:`scan_many`: its int32 blob in ``out`` at ``at`` (``k``
+    changed) in the form :func:`_finish` picks, or, more changed than int32 positions allow
+    (-1), the general way."""
     new, base = item[0], item[1]
-    shape, dtype = tuple(new.shape), new.dtype
-    numel, itemsize = new.numel(), new.element_size()
+    shape, dtype, itemsize = tuple(new.shape), new.dtype, new.element_size()
     if k < 0:
-        a, b = bits(new), bits(base)
-        k, d = _diff(a, b, shape, dtype)
+        a = bits(new)
+        k, d = _diff(a, bits(base), shape, dtype)
         return k, d, checksum(a.view(torch.uint8), "xxh3") if k and d is not None else ""
-    if k == 0:
-        return 0, Delta(index="int32", changed=0, blob=out[at:at], shape=shape, dtype=dtype), ""
-    cost = sizes(k, numel, itemsize)
-    index = choose(cost)
-    if cost[index] >= cost["dense"]:
-        return k, None, ""
     voff = align_up(4 * k, VALUES_ALIGN)
     blob = out[at : at + voff + k * itemsize]
-    if index == "int32":
-        return k, Delta(index="int32", changed=k, blob=blob, shape=shape, dtype=dtype), state.hexdigest()
-    pos = torch.from_numpy(blob[: 4 * k].numpy().view(np.int32).astype(np.int64))
-    return k, _build(bits(new), pos, None, index, shape, dtype), state.hexdigest()
+    raw = blob.numpy()
+    found = _Found(k, [raw[: 4 * k].view(np.int32)], [raw[voff:].view(_UINT[itemsize])], blob=blob)
+    k, d = _finish(new, found, shape, dtype)
+    return k, d, state.hexdigest() if k and d is not None else ""
 
 
-def _finish(
-    a: torch.Tensor, b: torch.Tensor, found: _Found, shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[int, Delta | None]:
+def _finish(new: torch.Tensor, found: _Found, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, Delta | None]:
     """The delta of a scan's result in the form :func:`choose` picks."""
-    numel, itemsize, k = a.numel(), a.element_size(), found.changed
+    numel, itemsize, k = new.numel(), new.element_size(), found.changed
     if k == 0:
         return 0, Delta(index="int32", changed=0, blob=torch.empty(0, dtype=torch.uint8), shape=shape, dtype=dtype)
     cost = sizes(k, numel, itemsize)
@@ -588,7 +583,7 @@ def _finish(
     if index == "int32":
         return k, _blob(found, numel, dtype, shape)
     pos = torch.from_numpy(np.concatenate(found.positions).astype(np.int64))
-    return k, _build(a, pos, None, index, shape, dtype)
+    return k, _build(bits(new), pos, None, index, shape, dtype)
 
 
 def _count(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -222,7 +222,6 @@ def scan_many(
     under_val_at: np.ndarray,
     under_n: np.ndarray,
     out: np.ndarray,
-    at: int,
     first: int,
     counts: np.ndarray,
     offsets: np.ndarray,
@@ -232,10 +231,10 @@ def scan_many(
     update,
     reset,
     states: np.ndarray,
-) -> tuple[int, int]:
+) -> int:
     """:func:`scan` over many tensors of one element width in one call, from tensor ``first``
     on: each one's int32 delta blob (positions, zeros to VALUES_ALIGN, values) written into
-    ``out`` from byte ``at`` (8-aligned), so one call per compare thread and group releases
+    ``out``, one after the other (8-aligned), so one call per compare thread and group releases
     the GIL once, where a call per tensor took it back ~500 times a push.
 
     Tensor i: ``nwords[i]`` 8-byte words at addresses ``new_at[i]`` / ``old_at[i]``; its last
@@ -247,16 +246,17 @@ def scan_many(
     blob starts. ``values``: scratch for at least max(limits) + lanes values.
 
     Stops before a tensor whose most room (``limits[i]`` positions and values) ``out`` no longer
-    has; returns (the first tensor not done, the next free byte of ``out``)."""
+    has; returns the first tensor not done."""
     itemsize = 8 // lanes
     base = out.ctypes.data
+    at = 0
     for i in range(first, new_at.size):
         n = nwords[i]
         room = min(limits[i], n * lanes)
         slots = room + lanes  # a flagged word's lanes are written before the count keeps them
         most = (4 * slots + VALUES_ALIGN - 1) // VALUES_ALIGN * VALUES_ALIGN + slots * itemsize
         if out.size - at < most:
-            return i, at
+            return i
         new = numba.carray(_at(new_at[i]), n, np.int64)
         old = numba.carray(_at(old_at[i]), n, np.int64)
         elems = numba.carray(_at(old_at[i]), n * lanes, values.dtype)
@@ -266,12 +266,11 @@ def scan_many(
         if states[i]:
             reset(states[i])
         k = scan(new, old, lanes, positions, values, room, words, step, update, states[i], elems, upos, uval)
+        offsets[i] = at
         if k < 0 or k > limits[i]:
             counts[i] = -1
-            offsets[i] = at
             continue
         counts[i] = k
-        offsets[i] = at
         voff = (4 * k + VALUES_ALIGN - 1) // VALUES_ALIGN * VALUES_ALIGN
         for j in range(at + 4 * k, at + voff):
             out[j] = 0
@@ -279,4 +278,4 @@ def scan_many(
         for j in range(k):
             dst[j] = values[j]
         at = (at + voff + k * itemsize + 7) // 8 * 8
-    return new_at.size, at
+    return new_at.size
