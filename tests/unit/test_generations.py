@@ -14,10 +14,12 @@ class Work:
 
     def __init__(self) -> None:
         self.runs = 0
+        self.started = asyncio.Event()
         self.release = asyncio.Event()
 
     async def __call__(self) -> bytes:
         self.runs += 1
+        self.started.set()
         await self.release.wait()
         return f"reply {self.runs}".encode()
 
@@ -26,7 +28,7 @@ async def two_sends(gens: G.Generations, work: Work) -> tuple[asyncio.Task, asyn
     """A request's first send, and a send again while it runs."""
     first = asyncio.create_task(gens.run("r1", work))
     again = asyncio.create_task(gens.run("r1", work))
-    await asyncio.sleep(0)  # both sends in (no condition to wait on: they only start)
+    await work.started.wait()  # the first runs; the second, started after it, waits on that run
     return first, again
 
 
