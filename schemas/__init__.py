@@ -76,7 +76,16 @@ from .state import (
     WorkerState,
     version_problem,
 )
-from .subjects import FIRST_SEND_HEADER, UNKNOWN_OP_QUEUE, KvKey, ServiceName, Subjects, check_token
+from .subjects import (
+    FIRST_SEND_HEADER,
+    RESEND_TO_HEADER,
+    SENDS_AGAIN_HEADER,
+    UNKNOWN_OP_QUEUE,
+    KvKey,
+    ServiceName,
+    Subjects,
+    check_token,
+)
 from .tensors import (
     BucketMeta,
     DeltaIndex,

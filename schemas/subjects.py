@@ -82,6 +82,11 @@ class Subjects(msgspec.Struct, frozen=True):
         """client -> workers (queue group): generation on the reference engine."""
         return f"{self.prefix}.generate"
 
+    def generate_at(self, worker_id: str) -> str:
+        """client -> one worker: a generate sent again to the worker that took it (its
+        RESEND_TO_HEADER named this subject), to join that run rather than start another."""
+        return f"{self.prefix}.generate.{worker_id}"
+
     @property
     def control_group(self) -> str:
         """The micro endpoint group the controller serves control ops under."""
@@ -158,6 +163,19 @@ class ServiceName:
 
 UNKNOWN_OP_QUEUE = "rlbus-unknown"
 """Queue group of the controller's catch-all endpoint (one controller answers an unknown op)."""
+
+SENDS_AGAIN_HEADER = "Rlbus-Sends-Again"
+"""Request header, "1" on a generate whose caller sends it again after its link came back and
+wants to know where (the SDK sets it): the worker that takes it answers RESEND_TO_HEADER first.
+Without it the worker sends the answer alone, as a plain request/reply client expects."""
+
+RESEND_TO_HEADER = "Rlbus-Resend-To"
+"""Header of a message with no body a worker sends to a generate's reply subject as it takes
+the request (one with a request id and SENDS_AGAIN_HEADER): the subject a send again goes to
+(the worker's own, `Subjects.generate_at`). A caller sends again after its link came back (a reply sent while it
+was down is lost); through the queue group that send could reach another worker, which would
+run the request afresh, so it goes to the worker that took it, which answers from its run. Not
+an answer: the call waits on."""
 
 FIRST_SEND_HEADER = "Rlbus-First-Send"
 """Request header, "1" on the first send of a command whose id the sender made for that send

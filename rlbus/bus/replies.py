@@ -11,8 +11,9 @@ is the answer: they all carry one command id, which runs once.
 
 A reply sent while the caller's link was down is lost (NATS drops what reaches no subscriber),
 so a call also sends again after each reconnect of its connection: a command answers from its
-id's first run, a generation from the worker that runs or ran its request id (else another
-worker runs it). Seen on a loaded host: nats-server answered no PING for 5-10 s (one of its
+id's first run; a generation goes to the worker that took it (which said so, RESEND_TO_HEADER)
+and answers from its run, or, when that word was lost too, through the queue group (another
+worker would run it afresh). Seen on a loaded host: nats-server answered no PING for 5-10 s (one of its
 threads in fsync, the others waiting for a core), every client reconnected, and two replies a
 worker sent in those 10 ms before the caller's subscription was back were gone: the call waited
 out its 300 s."""
@@ -29,7 +30,7 @@ from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rlbus.schemas import FIRST_SEND_HEADER
+from rlbus.schemas import FIRST_SEND_HEADER, RESEND_TO_HEADER, SENDS_AGAIN_HEADER
 
 _FIRST = {FIRST_SEND_HEADER: "1"}
 
@@ -97,10 +98,12 @@ class ReplyInbox:
         if call is not None:
             call.arrived(msg)
 
-    def call(self, fresh: bool = False) -> Call:
+    def call(self, fresh: bool = False, redirects: bool = False) -> Call:
         """A call: send it as often as it takes with `ask`; close it when done. `fresh`: its
-        command's id was made for this call (its first send says so, FIRST_SEND_HEADER)."""
-        call = Call(self, secrets.token_hex(8), fresh)
+        command's id was made for this call (its first send says so, FIRST_SEND_HEADER).
+        `redirects`: its sends ask the service that takes it where to send again
+        (SENDS_AGAIN_HEADER; a generate)."""
+        call = Call(self, secrets.token_hex(8), fresh, redirects)
         self._calls[call.token] = call
         return call
 
@@ -121,17 +124,29 @@ def _nobody(msg: Msg) -> bool:
 class Call:
     """The sends of one command, answered on one reply subject."""
 
-    def __init__(self, inbox: ReplyInbox, token: str, fresh: bool = False) -> None:
+    def __init__(self, inbox: ReplyInbox, token: str, fresh: bool = False, redirects: bool = False) -> None:
         self._inbox = inbox
         self.token = token
         self._answer: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
         self.sent = 0
         self.fresh = fresh
         """Its command's id was made for this call: the first send carries FIRST_SEND_HEADER."""
+        self._headers = {SENDS_AGAIN_HEADER: "1"} if redirects else None
+        """Every send's headers (a first send adds FIRST_SEND_HEADER)."""
+        self.resend_to: str | None = None
+        """Where a send after a reconnect goes, when the service that took the call said
+        (RESEND_TO_HEADER): the worker running a generate, not the queue group."""
 
     def arrived(self, msg: Msg) -> None:
         """An answer to one of this call's sends. A real one replaces a no-responders that an
-        earlier send got (the service came up meanwhile); the first real one stands."""
+        earlier send got (the service came up meanwhile); the first real one stands. A word of
+        where to send again is kept, and answers nothing; a no-responders forgets it (the
+        worker that took the call is gone)."""
+        if msg.headers and RESEND_TO_HEADER in msg.headers:
+            self.resend_to = msg.headers[RESEND_TO_HEADER]
+            return
+        if _nobody(msg):
+            self.resend_to = None
         if not self._answer.done():
             self._answer.set_result(msg)
         elif _nobody(self._answer.result()) and not _nobody(msg):
@@ -142,7 +157,7 @@ class Call:
         """The answer to this call: one that arrived since the last send returns at once;
         otherwise send once more and wait up to `timeout` for an answer to this send or any
         before it, sending again after each reconnect of the connection meanwhile (a reply sent
-        while the link was down is lost). Raises as nats-py's request does: NoRespondersError,
+        while the link was down is lost; to `resend_to` when the service named it). Raises as nats-py's request does: NoRespondersError,
         TimeoutError. The first send of a fresh call says it is one (FIRST_SEND_HEADER)."""
         if self._answer.done():
             if not _nobody(self._answer.result()):
@@ -150,20 +165,31 @@ class Call:
             self._answer = asyncio.get_running_loop().create_future()  # that no-responders is spent
         answer = self._answer
         prefix = await self._inbox._open()
-        first = _FIRST if self.fresh and self.sent == 0 else None
+        headers = {**_FIRST, **(self._headers or {})} if self.fresh and self.sent == 0 else self._headers
         self.sent += 1
         nc = self._inbox.nc
-        await nc.publish(subject, payload, reply=prefix + self.token, headers=first)
+        await nc.publish(subject, payload, reply=prefix + self.token, headers=headers)
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         relinks = relinks_of(nc)
-        while not answer.done() and (left := end - loop.time()) > 0:
-            relinked = relinks.next()
-            # asyncio.wait leaves both futures alone when it returns: a later send shares the answer
-            await asyncio.wait((answer, relinked), timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if not answer.done() and relinked.done():  # a reply sent while the link was down is lost
+        redirected = False  # the last send went to resend_to
+        while True:
+            while not answer.done() and (left := end - loop.time()) > 0:
+                relinked = relinks.next()
+                # asyncio.wait leaves both futures alone when it returns: a later send shares the answer
+                await asyncio.wait((answer, relinked), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not answer.done() and relinked.done():  # a reply sent while the link was down is lost
+                    self.sent += 1
+                    redirected = self.resend_to is not None
+                    await nc.publish(self.resend_to or subject, payload, reply=prefix + self.token, headers=self._headers)
+            if redirected and answer is self._answer and answer.done() and _nobody(answer.result()):
+                # the service that took the call is gone (arrived() forgot it): where it was sent first
+                redirected = False
+                answer = self._answer = loop.create_future()
                 self.sent += 1
-                await nc.publish(subject, payload, reply=prefix + self.token)
+                await nc.publish(subject, payload, reply=prefix + self.token, headers=self._headers)
+                continue
+            break
         if not answer.done():
             raise nats.errors.TimeoutError
         msg = answer.result()

@@ -28,7 +28,8 @@ WORKER_RESPONSES = 2 * WORKER_SERVICES - 1
 """A worker's `allow_responses` max. nats-server (2.15.1, measured) counts against it every
 reply to a request and every delivery of that request to another of the connection's
 subscriptions: a `$SRV.PING` to all reaches both services, so 2 deliveries and 2 replies
-take 3. A command to the worker takes 1."""
+take 3. A command to the worker takes 1; a generate 2 (where to send it again, then the
+answer)."""
 
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,7 +64,15 @@ def permissions(identity: str, subjects: Subjects) -> dict[str, object]:
     discovery = "$SRV.>"  # $SRV.PING|INFO|STATS: standard NATS tooling finds the services
     if identity == "trainer":
         return {
-            "publish": {"allow": [f"{subjects.control_group}.>", subjects.generate, *_kv_read(subjects), discovery]},
+            "publish": {
+                "allow": [
+                    f"{subjects.control_group}.>",
+                    subjects.generate,
+                    subjects.generate_at("*"),  # a generate sent again to the worker that took it
+                    *_kv_read(subjects),
+                    discovery,
+                ]
+            },
             "subscribe": {"allow": [inbox, subjects.version, subjects.events]},
         }
     if identity == "controller":
@@ -108,6 +117,7 @@ def permissions(identity: str, subjects: Subjects) -> dict[str, object]:
                     subjects.worker_commands(worker),
                     subjects.controller_hello,
                     subjects.generate,
+                    subjects.generate_at(worker),
                     "$SRV.>",
                     inbox,
                     subjects.version,

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 import rlbus.schemas as s
-from rlbus.schemas.subjects import FIRST_SEND_HEADER, KvKey, ServiceName
+from rlbus.schemas.subjects import FIRST_SEND_HEADER, RESEND_TO_HEADER, SENDS_AGAIN_HEADER, KvKey, ServiceName
 
 PREFIX = "rl"
 
@@ -132,6 +132,7 @@ def _subjects() -> list[str]:
         ("version", subj.version),
         ("event", subj.event("<kind>")),
         ("generate", subj.generate),
+        ("generate_at", subj.generate_at("<id>")),
         ("inbox", subj.inbox("<identity>") + ".>"),
         ("kv_bucket", subj.kv_bucket),
         ("replies_bucket", subj.replies_bucket),
@@ -227,7 +228,17 @@ def render() -> str:
         s.BucketMeta,
     ):
         out += _message(cls)
-    out += ["## Generation: anyone → one worker on `rl.generate` (queue group)", ""]
+    out += [
+        "## Generation: anyone → one worker on `rl.generate` (queue group)",
+        "",
+        f"A request with a `request_id` and the header `{SENDS_AGAIN_HEADER}: 1` (the SDK's) is answered first",
+        f"by a message with no body and the header `{RESEND_TO_HEADER}: {s.Subjects(PREFIX).generate_at('<id>')}` from",
+        "the worker that took it: not the answer, but where a send again goes (a caller sends again",
+        "after its link came back, since a reply sent while it was down is lost). There the worker",
+        "answers from its run of that id, running or answered in the last two minutes, so a request is",
+        "not run a second time on another worker. Without the header the answer comes alone.",
+        "",
+    ]
     for cls in (s.GenerateRequest, s.GenerateReply, s.WeightVersionSpan):
         out += _message(cls)
     out += [

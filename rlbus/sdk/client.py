@@ -186,12 +186,15 @@ class RLClient:
         hint: str = "",
         resend: bool = False,
         fresh: bool = False,
+        redirects: bool = False,
     ) -> T:
         """One request/reply within the deadline. Retries while nothing answers (within
         retry_s). With `resend` (a command deduplicated by its id) it also waits at most
         attempt_s per attempt and sends the same bytes again: a leader that froze or lost its
         link does not hold the call, the next leader answers (or the same one, from its cache).
-        `fresh`: the command's id was made for this call (its first send says so)."""
+        `fresh`: the command's id was made for this call (its first send says so).
+        `redirects`: a send again after a reconnect goes where the service that took the call
+        said (a generate: the worker running it)."""
         t = min(timeout or self.timeout, _left())
         if t <= 0:
             raise DeadlineExceeded(f"no time left for {op} within the caller's deadline")
@@ -200,7 +203,7 @@ class RLClient:
         nobody: Fault | None = None  # the last UNAVAILABLE (no responders, a link down): what a try cut short ends with
         # every send of this call is answered on one subject: an answer slower than one attempt
         # (a store riding out a node loss) still reaches the call after it sent again
-        call = self._replies.call(fresh)
+        call = self._replies.call(fresh, redirects)
         try:
             while True:
                 left = t - (time.monotonic() - start)
@@ -519,6 +522,7 @@ class RLClient:
             "a worker serving generation",
             timeout,
             generate_reply_decoder,
+            redirects=True,
         )
 
 

@@ -3,9 +3,10 @@
 A client sends a request again when its link to NATS came back, since a reply sent while the
 link was down is lost (bus/replies.py). A send that reaches the worker still running that id
 waits for the run; one that comes after it gets the run's reply, kept RECENT_S seconds (at most
-RECENT_MAX replies); the client takes the first answer to any of its sends. A send that reaches
-another worker runs there afresh (the worker that ran it cannot be addressed through the queue
-group). A request without an id runs on every send.
+RECENT_MAX replies); the client takes the first answer to any of its sends. The worker that takes a
+request tells the caller its own subject (RESEND_TO_HEADER), so a send again reaches it rather
+than the queue group; one that reaches another worker (the word was lost too, or the worker is
+gone) runs there afresh. A request without an id runs on every send.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class Generations:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    def __contains__(self, request_id: str) -> bool:
+        """Whether this worker runs `request_id` now or answered it lately."""
+        return request_id in self._running or self.answered(request_id) is not None
 
     def answered(self, request_id: str) -> bytes | None:
         """The reply of a recent run of `request_id` (None: none kept)."""

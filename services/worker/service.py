@@ -17,6 +17,7 @@ from collections.abc import Callable
 import anyio
 import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.micro import add_service
@@ -41,6 +42,8 @@ from rlbus.schemas import (
     PauseWorker,
     PrepareWorker,
     ResumeWorker,
+    RESEND_TO_HEADER,
+    SENDS_AGAIN_HEADER,
     RLBusError,
     SendWeightsWorker,
     ServiceName,
@@ -205,6 +208,7 @@ class WorkerService:
             # No unknown-op catch-all here (the controller has one): it would deliver every
             # command twice on the hot path; an unknown worker op gets NATS' no-responders.
             hello = await self.nc.subscribe(self.subjects.controller_hello, cb=self._on_hello)
+            again = await self.nc.subscribe(self.subjects.generate_at(self.id), cb=self._on_generate_again)
             await self.nc.flush()
             await self.announce()
             tg.start_soon(self._heartbeat)
@@ -215,6 +219,7 @@ class WorkerService:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(2):  # unsubscribing needs a live connection
                     await hello.unsubscribe()
+                    await again.unsubscribe()
                     await self._serve_generation(False)
                     await stop_service(self._micro)
                 with anyio.move_on_after(self.opts.drain_timeout_s):
@@ -534,16 +539,36 @@ class WorkerService:
     # ---- generation --------------------------------------------------------------------
 
     async def _on_generate(self, req: Request) -> None:
+        await self._generate(req, again=False)
+
+    async def _on_generate_again(self, msg: Msg) -> None:
+        """A generate sent again to this worker, which took it and said so (RESEND_TO_HEADER)."""
+        req = Request(msg)
+        try:
+            await self._generate(req, again=True)
+        except ServiceError as e:  # undecodable: no micro endpoint around this subscription answers it
+            await req.respond_error(e.code, e.description)
+
+    async def _generate(self, req: Request, again: bool) -> None:
+        """Run a generate, or join this worker's run of its request id (running, or answered
+        lately: see Generations). One taken from the queue group tells a caller that asks
+        (SENDS_AGAIN_HEADER) where a send again goes (RESEND_TO_HEADER: this worker's own subject); one sent again here that this
+        worker runs or ran is answered from that run, even while the worker is withheld."""
         try:
             gen = generate_request_decoder.decode(req.data)
         except DecodeError as e:
             raise ServiceError(UNDECODABLE_STATUS, f"undecodable generate payload: {e}") from None
-
-        if self.book.withheld or self._silent_too_long():  # delivered before it left the queue group
+        ours = again and gen.request_id is not None and gen.request_id in self._generations
+        if not ours and (self.book.withheld or self._silent_too_long()):  # delivered before it left the queue group
             await req.respond(
                 encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack())
             )
             return
+        if gen.request_id is not None and not again and (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
+            try:
+                await req.respond(b"", headers={RESEND_TO_HEADER: self.subjects.generate_at(self.id)})
+            except Exception as e:  # a dead link: the answer goes out (or is lost) after it all the same
+                log.debug("worker %s: could not say where to send %s again: %s", self.id, gen.request_id, e)
 
         async def work() -> bytes:
             try:

@@ -11,7 +11,16 @@ from collections.abc import Sequence
 
 import anyio
 import pytest
-from rlbus.schemas import GetServerInfo, ServerInfo, Subjects, VersionInfo
+from rlbus.schemas import (
+    RESEND_TO_HEADER,
+    GenerateRequest,
+    GetServerInfo,
+    ServerInfo,
+    Subjects,
+    VersionInfo,
+    encode,
+    generate_reply_decoder,
+)
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
@@ -195,15 +204,28 @@ async def test_a_version_watcher_started_while_the_server_is_down_yields_once_it
 # ---- a blackholed connection -------------------------------------------------------------------
 
 
-async def test_a_generate_reply_lost_while_the_callers_link_was_down_is_asked_again_and_answered(fleet, server, prefix):
+async def test_a_generate_reply_lost_while_the_callers_link_was_down_is_asked_again_of_the_worker_that_took_it(
+    fleet, server, prefix
+):
     """A worker's reply that reaches the caller's connection while its link is silent is lost
     (NATS keeps nothing for a subscriber that is gone). After the reconnect the SDK sends the
     request again under its request id, and the call is answered: it does not wait out its
     deadline (seen in the vLLM tests on a loaded host: nats-server answered no PING for 5-10 s,
-    every client reconnected, and two replies were gone)."""
+    every client reconnected, and two replies were gone). The send again goes to the worker
+    that took the request, which said so as it took it (RESEND_TO_HEADER), not through the
+    queue group, where another worker would run it a second time."""
     f, rl = fleet
     assert server.port is not None
+    subjects = Subjects(prefix=prefix)
+    sends: list[str] = []
+
+    async def seen(msg) -> None:
+        sends.append(msg.subject)
+
+    spies = [await rl.nc.subscribe(s, cb=seen) for s in (subjects.generate, subjects.generate_at("*"))]
+    told = asyncio.Event()
     async with Blackhole(server.port) as hole:
+        hole.tripwire = (RESEND_TO_HEADER.encode(), told.set)  # the word of where to send again reached it
         far = await RLClient.connect(hole.url, prefix=prefix, timeout=20.0)  # only its link goes through the proxy
         try:
             await rl.pause("keep")  # new requests wait for the resume
@@ -213,6 +235,8 @@ async def test_a_generate_reply_lost_while_the_callers_link_was_down_is_asked_ag
                     lambda: sum(w.engine.status().waiting for w in f.workers.values()) == 1,
                     what="the request held by the pause",
                 )
+                took = next(wid for wid, w in f.workers.items() if w.engine.status().waiting == 1)
+                await asyncio.wait_for(told.wait(), 10)
                 hole.holed = True  # the caller's link goes silent
             finally:
                 await rl.resume()
@@ -222,9 +246,16 @@ async def test_a_generate_reply_lost_while_the_callers_link_was_down_is_asked_ag
             reply = await asyncio.wait_for(call, 10)
         finally:
             await far.close()
-    assert len(reply.tokens) == 4 and reply.worker_id in WORKERS
+            for spy in spies:
+                await spy.unsubscribe()
+    assert len(reply.tokens) == 4 and reply.worker_id == took, "answered by the run of the worker that took it"
+    assert sends[0] == subjects.generate and set(sends[1:]) == {subjects.generate_at(took)}, sends
     again = await rl.generate([1, 2, 3], 4)
     assert (reply.tokens, reply.weight_version) == (again.tokens, again.weight_version), "as a call that lost nothing"
+    plain = await rl.nc.request(
+        subjects.generate, encode(GenerateRequest(prompt_tokens=[1, 2, 3], max_tokens=4, request_id="plain")), timeout=20
+    )
+    assert generate_reply_decoder.decode(plain.data).tokens == again.tokens, "a plain request gets the answer alone"
 
 
 async def test_a_blackholed_worker_is_detected_within_seconds_and_rejoins_when_the_link_returns(fleet, server, prefix):

@@ -35,9 +35,10 @@ async def two_sends(gens: G.Generations, work: Work) -> tuple[asyncio.Task, asyn
 async def test_a_send_again_while_the_request_runs_waits_for_that_run():
     gens, work = G.Generations(), Work()
     first, again = await two_sends(gens, work)
-    assert gens.running == 1 and not again.done()
+    assert gens.running == 1 and not again.done() and "r1" in gens and "r2" not in gens
     work.release.set()
     assert await first == await again == b"reply 1" and work.runs == 1
+    assert "r1" in gens, "answered lately: a send again here is this worker's to answer"
 
 
 async def test_a_send_after_the_run_gets_its_kept_reply():
@@ -79,7 +80,7 @@ async def test_kept_replies_expire_by_age_and_by_count(monkeypatch):
     work.release.set()
     await gens.run("old", work)
     now[0] = G.RECENT_S + 1
-    assert gens.answered("old") is None, "past RECENT_S a send runs it again"
+    assert gens.answered("old") is None and "old" not in gens, "past RECENT_S a send runs it again"
     monkeypatch.setattr(G, "RECENT_MAX", 2)
     for rid in ("a", "b", "c"):
         await gens.run(rid, work)

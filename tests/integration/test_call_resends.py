@@ -1,0 +1,48 @@
+"""A call's sends after a reconnect (rlbus/bus/replies.py): they go where the service that took
+the call said (RESEND_TO_HEADER), and back where the call was first sent when that service is
+gone. Real nats-server, a real reconnect through a TCP proxy."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlbus.bus.connection import connect
+from rlbus.bus.replies import ReplyInbox
+from rlbus.schemas import RESEND_TO_HEADER
+from tests.netfaults import Blackhole
+from tests.waiting import eventually
+
+SUBJECT = "resends.test.generate"
+GONE = "resends.test.generate.gone"  # the taker's own subject: nobody listens there any more
+
+
+async def test_a_send_again_to_a_service_that_is_gone_goes_where_the_call_was_first_sent(nats_server):
+    server = await connect(nats_server.url, name="takes-then-answers")
+    deliveries: list[str] = []
+
+    async def on_request(msg) -> None:
+        deliveries.append(msg.subject)
+        if len(deliveries) == 1:  # takes it, says where to send again, and is gone before answering
+            await server.publish(msg.reply, b"", headers={RESEND_TO_HEADER: GONE})
+        else:
+            await msg.respond(b"answered")
+
+    await server.subscribe(SUBJECT, queue="q", cb=on_request)
+    await server.flush()
+    async with Blackhole(nats_server.port) as hole:
+        caller = await connect(hole.url, name="caller")
+        try:
+            inbox = ReplyInbox(caller)
+            call = inbox.call()
+            asked = asyncio.create_task(call.ask(SUBJECT, b"generate", 20))
+            await eventually(lambda: call.resend_to == GONE, timeout=10, what="the word of where to send again")
+            hole.cut()  # the caller reconnects: it sends again, to GONE (no responders), then to SUBJECT
+            msg = await asyncio.wait_for(asked, 15)
+            assert msg.data == b"answered"
+            assert deliveries == [SUBJECT, SUBJECT]
+            assert call.resend_to is None, "the word of a service that is gone is forgotten"
+            call.close()
+            await inbox.close()
+        finally:
+            await caller.close()
+            await server.close()
