@@ -181,7 +181,9 @@ class Call:
                 if not answer.done() and relinked.done():  # a reply sent while the link was down is lost
                     self.sent += 1
                     redirected = self.resend_to is not None
-                    await nc.publish(self.resend_to or subject, payload, reply=prefix + self.token, headers=self._headers)
+                    await nc.publish(
+                        self.resend_to or subject, payload, reply=prefix + self.token, headers=self._headers
+                    )
             if redirected and answer is self._answer and answer.done() and _nobody(answer.result()):
                 # the service that took the call is gone (arrived() forgot it): where it was sent first
                 redirected = False

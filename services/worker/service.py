@@ -24,6 +24,8 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 from rlbus.schemas import (
+    RESEND_TO_HEADER,
+    SENDS_AGAIN_HEADER,
     SLEEP_TAGS,
     UNDECODABLE_STATUS,
     AbortWeightUpdateWorker,
@@ -42,8 +44,6 @@ from rlbus.schemas import (
     PauseWorker,
     PrepareWorker,
     ResumeWorker,
-    RESEND_TO_HEADER,
-    SENDS_AGAIN_HEADER,
     RLBusError,
     SendWeightsWorker,
     ServiceName,

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+from rlbus.schemas import RESEND_TO_HEADER
+
 from rlbus.bus.connection import connect
 from rlbus.bus.replies import ReplyInbox
-from rlbus.schemas import RESEND_TO_HEADER
 from tests.netfaults import Blackhole
 from tests.waiting import eventually
 

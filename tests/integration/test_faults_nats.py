@@ -253,7 +253,9 @@ async def test_a_generate_reply_lost_while_the_callers_link_was_down_is_asked_ag
     again = await rl.generate([1, 2, 3], 4)
     assert (reply.tokens, reply.weight_version) == (again.tokens, again.weight_version), "as a call that lost nothing"
     plain = await rl.nc.request(
-        subjects.generate, encode(GenerateRequest(prompt_tokens=[1, 2, 3], max_tokens=4, request_id="plain")), timeout=20
+        subjects.generate,
+        encode(GenerateRequest(prompt_tokens=[1, 2, 3], max_tokens=4, request_id="plain")),
+        timeout=20,
     )
     assert generate_reply_decoder.decode(plain.data).tokens == again.tokens, "a plain request gets the answer alone"
 
