@@ -13,10 +13,10 @@ A reply sent while the caller's link was down is lost (NATS drops what reaches n
 so a call also sends again after each reconnect of its connection: a command answers from its
 id's first run; a generation goes to the worker that took it (which said so, RESEND_TO_HEADER)
 and answers from its run, or, when that word was lost too, through the queue group (another
-worker would run it afresh). Seen on a loaded host: nats-server answered no PING for 5-10 s (one of its
-threads in fsync, the others waiting for a core), every client reconnected, and two replies a
-worker sent in those 10 ms before the caller's subscription was back were gone: the call waited
-out its 300 s."""
+worker would run it afresh). Seen on a loaded host: nats-server answered no PING for 5-10 s
+(one of its threads in fsync, the others waiting for a core), every client reconnected, and
+two replies a worker sent in those 10 ms before the caller's subscription was back were gone:
+the call waited out its 300 s."""
 
 from __future__ import annotations
 
@@ -157,8 +157,10 @@ class Call:
         """The answer to this call: one that arrived since the last send returns at once;
         otherwise send once more and wait up to `timeout` for an answer to this send or any
         before it, sending again after each reconnect of the connection meanwhile (a reply sent
-        while the link was down is lost; to `resend_to` when the service named it). Raises as nats-py's request does: NoRespondersError,
-        TimeoutError. The first send of a fresh call says it is one (FIRST_SEND_HEADER)."""
+        while the link was down is lost; to `resend_to` when the service named it, and where it
+        was sent first when that one is gone). Raises as nats-py's request does:
+        NoRespondersError, TimeoutError. The first send of a fresh call says it is one
+        (FIRST_SEND_HEADER)."""
         if self._answer.done():
             if not _nobody(self._answer.result()):
                 return self._answer.result()

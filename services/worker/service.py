@@ -552,8 +552,9 @@ class WorkerService:
     async def _generate(self, req: Request, again: bool) -> None:
         """Run a generate, or join this worker's run of its request id (running, or answered
         lately: see Generations). One taken from the queue group tells a caller that asks
-        (SENDS_AGAIN_HEADER) where a send again goes (RESEND_TO_HEADER: this worker's own subject); one sent again here that this
-        worker runs or ran is answered from that run, even while the worker is withheld."""
+        (SENDS_AGAIN_HEADER) where a send again goes (RESEND_TO_HEADER: this worker's own
+        subject); one sent again here that this worker runs or ran is answered from that run,
+        even while the worker is withheld."""
         try:
             gen = generate_request_decoder.decode(req.data)
         except DecodeError as e:
