@@ -9,7 +9,6 @@ returns at once. The task replies when the work is done.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 from collections import OrderedDict
@@ -19,6 +18,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import anyio
 import msgspec
+import xxhash
 from anyio.abc import TaskGroup
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -266,7 +266,8 @@ async def after_reply(acked: Acked, what: str) -> None:
 
 
 def fingerprint(op: str, data: bytes) -> str:
-    return f"{op}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+    """The op and a 128-bit digest of the payload (xxh3: a retry's check, not a signature)."""
+    return f"{op}:{xxhash.xxh3_128_hexdigest(data)}"
 
 
 class _Running:
@@ -309,6 +310,42 @@ class ReplyCache:
                 f"command id {command_id!r} was first used for {seen.split(':')[0]} with another payload; "
                 "a retry must resend the same command, a new command needs a new id"
             )
+
+    def _kept(self, command_id: str, print_: str) -> bytes | None:
+        """The answer kept in memory under the id (the same command's, else InvalidArgument)."""
+        kept = self._done.get(command_id)
+        if kept is None:
+            return None
+        self._check(command_id, print_, kept.fingerprint)
+        return kept.reply
+
+    def _keep(self, command_id: str, stored: StoredReply) -> None:
+        self._done[command_id] = stored
+        while len(self._done) > self.size:
+            self._done.popitem(last=False)
+
+    def _release(self, command_id: str) -> None:
+        """The id's run ended: the sends that waited on it go on."""
+        done = self._running.pop(command_id).done
+        if done is not None:
+            done.set()
+
+    async def run_in_memory(self, command_id: str, print_: str, work: Callable[[C], Awaitable[bytes]], cmd: C) -> bytes:
+        """`run` of `work(cmd)` for a command whose answer is kept in memory only, with no gate,
+        and no other send of its id running (the caller checked `in`): one lookup, the work, one
+        keep (the hot path of every worker command, answered inline)."""
+        if not command_id:
+            return await work(cmd)
+        kept = self._kept(command_id, print_)
+        if kept is not None:
+            return kept
+        self._running[command_id] = _Running(print_)
+        try:
+            answer = await work(cmd)
+            self._keep(command_id, StoredReply(print_, answer))
+            return answer
+        finally:
+            self._release(command_id)
 
     async def run(
         self,
@@ -353,10 +390,9 @@ class ReplyCache:
             try:
                 if gate is not None:
                     await gate()
-                if command_id in self._done:
-                    kept = self._done[command_id]
-                    self._check(command_id, print_, kept.fingerprint)
-                    return kept.reply
+                kept = self._kept(command_id, print_)
+                if kept is not None:
+                    return kept
                 store = self.durable if durable else None
                 stored: StoredReply | None = None
                 claiming: asyncio.Future[StoredReply | None] | None = None
@@ -403,14 +439,10 @@ class ReplyCache:
                 # store's acknowledgement once the reply is out
                 pending.append(await store.put(command_id, stored))
                 self._unacked[command_id] = pending
-            self._done[command_id] = stored
-            while len(self._done) > self.size:
-                self._done.popitem(last=False)
+            self._keep(command_id, stored)
             return stored.reply
         finally:
-            done = self._running.pop(command_id).done
-            if done is not None:
-                done.set()
+            self._release(command_id)
 
     @staticmethod
     async def _run_beside(
@@ -531,7 +563,11 @@ class Endpoints:
     ) -> Callable[[Request], Awaitable[None]]:
         """Decodes, runs the handler (inline, or as a task the service owns) and replies."""
         handler = wrap(route.handler) if wrap is not None else route.handler
+        handled = self._handled(route, handler)
         op = route.op
+        # kept in memory only and let through by no gate (a worker's commands): the reply
+        # cache's short path
+        in_memory = gate is None and route.recover is None and (route.read or self.replies.durable is None)
 
         async def on_request(req: Request) -> None:
             try:
@@ -547,12 +583,15 @@ class Endpoints:
             if route.runs_inline(cmd) and command_id not in self.replies:
                 # answered here, in the NATS callback: no task, no closure (the hot path of
                 # every worker command)
-                await self._send(req, await self._answer(route, handler, cmd, print_, gate))
+                if in_memory:
+                    await self._send(req, await self._answer_in_memory(handled, cmd, print_))
+                    return
+                await self._send(req, await self._answer(route, handled, cmd, print_, gate))
                 if self.replies.unsettled(command_id):  # never wait inside the callback
                     self._tg.start_soon(self.replies.settle, command_id)
             else:
                 beside = route.beside(req)
-                self.spawn(req, lambda: self._answer(route, handler, cmd, print_, gate, beside), command_id)
+                self.spawn(req, lambda: self._answer(route, handled, cmd, print_, gate, beside), command_id)
 
         return on_request
 
@@ -605,19 +644,12 @@ class Endpoints:
             assert parked.job is not None
             job = parked.job
 
-    async def _answer(
-        self,
-        route: Route[Any],
-        handler: Handler,
-        cmd: Any,
-        print_: str,
-        gate: Gate | None = None,
-        beside: bool = False,
-    ) -> bytes:
-        """Run the command once per id (the reply cache), after `gate` let it through: a gate's
-        refusal is recorded nowhere, and answers the sends of the command that waited on it."""
+    def _handled(self, route: Route[Any], handler: Handler) -> Callable[[Any], Awaitable[bytes]]:
+        """`handler`'s answer to a command, encoded: a refusal as its nack, a command with a
+        deadline answered before it, a bug as INTERNAL (never a caller left hanging)."""
+        op, name = route.op, self._name
 
-        async def work() -> bytes:
+        async def handled(cmd: Any) -> bytes:
             budget = getattr(cmd, "timeout_s", None)
             try:
                 # answer before the sender stops waiting: a late answer only holds the lock
@@ -628,7 +660,7 @@ class Endpoints:
             except TimeoutError:
                 return encode(
                     DeadlineExceeded(
-                        f"{route.op} did not finish within the caller's {budget:g}s; what it started was undone"
+                        f"{op} did not finish within the caller's {budget:g}s; what it started was undone"
                     ).to_nack()
                 )
             except RLBusError as e:
@@ -636,14 +668,34 @@ class Endpoints:
             except ClaimOutcome:  # the reply cache answers from the claim
                 raise
             except Exception as e:  # a bug: answer INTERNAL rather than leave the caller hanging
-                log.exception("%s: %s failed", self._name, type(cmd).__name__)
-                return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
+                log.exception("%s: %s failed", name, type(cmd).__name__)
+                return encode(Internal(f"{name}: {type(e).__name__}: {e}").to_nack())
 
+        return handled
+
+    async def _answer_in_memory(self, handled: Callable[[Any], Awaitable[bytes]], cmd: Any, print_: str) -> bytes:
+        """_answer for a command whose answer is kept in memory only, with no gate."""
+        try:
+            return await self.replies.run_in_memory(cmd.command_id, print_, handled, cmd)
+        except RLBusError as e:  # the id used for another command
+            return encode(e.to_nack())
+
+    async def _answer(
+        self,
+        route: Route[Any],
+        handled: Callable[[Any], Awaitable[bytes]],
+        cmd: Any,
+        print_: str,
+        gate: Gate | None = None,
+        beside: bool = False,
+    ) -> bytes:
+        """Run the command once per id (the reply cache), after `gate` let it through: a gate's
+        refusal is recorded nowhere, and answers the sends of the command that waited on it."""
         try:
             return await self.replies.run(
                 cmd.command_id,
                 print_,
-                work,
+                lambda: handled(cmd),
                 durable=not route.read,
                 recover=route.recovery(cmd),
                 gate=None if gate is None else lambda: gate(route, cmd),
