@@ -584,7 +584,11 @@ class Endpoints:
                 # answered here, in the NATS callback: no task, no closure (the hot path of
                 # every worker command)
                 if in_memory:
-                    await self._send(req, await self._answer_in_memory(handled, cmd, print_))
+                    try:
+                        answer = await self.replies.run_in_memory(command_id, print_, handled, cmd)
+                    except RLBusError as e:  # the id used for another command
+                        answer = encode(e.to_nack())
+                    await self._send(req, answer)
                     return
                 await self._send(req, await self._answer(route, handled, cmd, print_, gate))
                 if self.replies.unsettled(command_id):  # never wait inside the callback
@@ -672,13 +676,6 @@ class Endpoints:
                 return encode(Internal(f"{name}: {type(e).__name__}: {e}").to_nack())
 
         return handled
-
-    async def _answer_in_memory(self, handled: Callable[[Any], Awaitable[bytes]], cmd: Any, print_: str) -> bytes:
-        """_answer for a command whose answer is kept in memory only, with no gate."""
-        try:
-            return await self.replies.run_in_memory(cmd.command_id, print_, handled, cmd)
-        except RLBusError as e:  # the id used for another command
-            return encode(e.to_nack())
 
     async def _answer(
         self,
