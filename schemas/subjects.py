@@ -84,7 +84,7 @@ class Subjects(msgspec.Struct, frozen=True):
 
     def generate_at(self, worker_id: str) -> str:
         """client -> one worker: a generate sent again to the worker that took it (its
-        RESEND_TO_HEADER named this subject), to join that run rather than start another."""
+        RESEND_TO_HEADER named this subject), answered from that run rather than by another."""
         return f"{self.prefix}.generate.{worker_id}"
 
     @property
@@ -174,8 +174,10 @@ RESEND_TO_HEADER = "Rlbus-Resend-To"
 the request (one with a request id and SENDS_AGAIN_HEADER): the subject a send again goes to
 (the worker's own, `Subjects.generate_at`). A caller sends again after its link came back (a reply sent while it
 was down is lost); through the queue group that send could reach another worker, which would
-run the request afresh, so it goes to the worker that took it, which answers from its run. Not
-an answer: the call waits on."""
+run the request afresh, so it goes to the worker that took it, which answers from its run; a
+caller also asks there while no answer came (a reply lost on the worker's side). A send again
+of a run still under way gets this word again (the run's reply goes to the reply subject every
+send of the call shares). Not an answer: the call waits on."""
 
 FIRST_SEND_HEADER = "Rlbus-First-Send"
 """Request header, "1" on the first send of a command whose id the sender made for that send

@@ -16,7 +16,11 @@ and answers from its run, or, when that word was lost too, through the queue gro
 worker would run it afresh). Seen on a loaded host: nats-server answered no PING for 5-10 s
 (one of its threads in fsync, the others waiting for a core), every client reconnected, and
 two replies a worker sent in those 10 ms before the caller's subscription was back were gone:
-the call waited out its 300 s."""
+the call waited out its 300 s. A reply can also be lost with no reconnect of the caller's
+own (on the worker's link, closed by the server while it was silent), so a call told where to
+send again also asks there from time to time while no answer came: REASK_S after a send, then
+twice as long each time, up to REASK_MAX times that; the worker answers with a word (the run is still
+under way) or with the finished run's reply."""
 
 from __future__ import annotations
 
@@ -33,6 +37,14 @@ from nats.aio.subscription import Subscription
 from rlbus.schemas import FIRST_SEND_HEADER, RESEND_TO_HEADER, SENDS_AGAIN_HEADER
 
 _FIRST = {FIRST_SEND_HEADER: "1"}
+
+REASK_S = 10.0
+"""A call told where to send again (a generate) asks there this long after its last send, when
+no answer came: a reply lost with no reconnect of the caller's costs it this, not its deadline."""
+
+REASK_MAX = 6
+"""The longest gap between such asks, in first gaps (each doubles the last, so 10 s, 20, 40,
+then every 60 s): a long generate is asked a few times, and each ask sends its bytes again."""
 
 
 class Relinks:
@@ -98,12 +110,13 @@ class ReplyInbox:
         if call is not None:
             call.arrived(msg)
 
-    def call(self, fresh: bool = False, redirects: bool = False) -> Call:
+    def call(self, fresh: bool = False, redirects: bool = False, reask_s: float = REASK_S) -> Call:
         """A call: send it as often as it takes with `ask`; close it when done. `fresh`: its
         command's id was made for this call (its first send says so, FIRST_SEND_HEADER).
         `redirects`: its sends ask the service that takes it where to send again
-        (SENDS_AGAIN_HEADER; a generate)."""
-        call = Call(self, secrets.token_hex(8), fresh, redirects)
+        (SENDS_AGAIN_HEADER; a generate), and it asks there again from `reask_s` after its last
+        send while no answer came."""
+        call = Call(self, secrets.token_hex(8), fresh, redirects, reask_s)
         self._calls[call.token] = call
         return call
 
@@ -124,7 +137,9 @@ def _nobody(msg: Msg) -> bool:
 class Call:
     """The sends of one command, answered on one reply subject."""
 
-    def __init__(self, inbox: ReplyInbox, token: str, fresh: bool = False, redirects: bool = False) -> None:
+    def __init__(
+        self, inbox: ReplyInbox, token: str, fresh: bool = False, redirects: bool = False, reask_s: float = REASK_S
+    ) -> None:
         self._inbox = inbox
         self.token = token
         self._answer: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
@@ -136,6 +151,9 @@ class Call:
         self.resend_to: str | None = None
         """Where a send after a reconnect goes, when the service that took the call said
         (RESEND_TO_HEADER): the worker running a generate, not the queue group."""
+        self.reask_s = reask_s
+        """While resend_to is known and no answer came: the gap before it is asked again (doubled
+        each time, up to REASK_MAX times this)."""
 
     def arrived(self, msg: Msg) -> None:
         """An answer to one of this call's sends. A real one replaces a no-responders that an
@@ -158,7 +176,8 @@ class Call:
         otherwise send once more and wait up to `timeout` for an answer to this send or any
         before it, sending again after each reconnect of the connection meanwhile (a reply sent
         while the link was down is lost; to `resend_to` when the service named it, and where it
-        was sent first when that one is gone). Raises as nats-py's request does:
+        was sent first when that one is gone), and to `resend_to` after each `reask_s` gap (a
+        reply lost with no reconnect of this link's). Raises as nats-py's request does:
         NoRespondersError, TimeoutError. The first send of a fresh call says it is one
         (FIRST_SEND_HEADER)."""
         if self._answer.done():
@@ -175,14 +194,27 @@ class Call:
         end = loop.time() + timeout
         relinks = relinks_of(nc)
         redirected = False  # the last send went to resend_to
+        redirecting, gap, asked = self._headers is not None, self.reask_s, loop.time()
         while True:
             while not answer.done() and (left := end - loop.time()) > 0:
                 relinked = relinks.next()
+                wait = max(0.0, min(left, asked + gap - loop.time())) if redirecting else left
                 # asyncio.wait leaves both futures alone when it returns: a later send shares the answer
-                await asyncio.wait((answer, relinked), timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if not answer.done() and relinked.done():  # a reply sent while the link was down is lost
+                await asyncio.wait((answer, relinked), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if answer.done():
+                    break
+                # a reply sent while the link was down is lost; one lost on the far side leaves
+                # nothing to notice but the time
+                due = redirecting and loop.time() >= asked + gap
+                if due and self.resend_to is None and not relinked.done():
+                    asked = loop.time()  # not told where it runs: never through the queue group again
+                    continue
+                if relinked.done() or due:
+                    if due:
+                        gap = min(2 * gap, REASK_MAX * self.reask_s)
                     self.sent += 1
                     redirected = self.resend_to is not None
+                    asked = loop.time()
                     await nc.publish(
                         self.resend_to or subject, payload, reply=prefix + self.token, headers=self._headers
                     )

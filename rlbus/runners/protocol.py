@@ -234,9 +234,12 @@ def render() -> str:
         f"A request with a `request_id` and the header `{SENDS_AGAIN_HEADER}: 1` (the SDK's) is answered first",
         f"by a message with no body and the header `{RESEND_TO_HEADER}: {s.Subjects(PREFIX).generate_at('<id>')}` from",
         "the worker that took it: not the answer, but where a send again goes (a caller sends again",
-        "after its link came back, since a reply sent while it was down is lost). There the worker",
-        "answers from its run of that id, running or answered in the last two minutes, so a request is",
-        "not run a second time on another worker. Without the header the answer comes alone.",
+        "after its link came back, since a reply sent while it was down is lost, and, while no answer",
+        "came, after 10 s, 20, 40, then every 60 s, for a reply lost on the worker's side). Every send",
+        "of a request carries the reply subject of its first send. There the worker answers from its",
+        "run of that id: one still under way with the same word (its reply goes to that reply subject),",
+        "one answered in the last two minutes with its reply; one it does not know it runs. So a request",
+        "is not run a second time on another worker. Without the header the answer comes alone.",
         "",
     ]
     for cls in (s.GenerateRequest, s.GenerateReply, s.WeightVersionSpan):

@@ -15,7 +15,7 @@ from nats.aio.client import Client
 
 from rlbus.bus.connection import NatsAuth, connect, drain, request, resolve_url
 from rlbus.bus.faults import Fault, expect_reply, fault_of
-from rlbus.bus.replies import ReplyInbox
+from rlbus.bus.replies import REASK_S, ReplyInbox
 from rlbus.schemas import (
     AnyControlCommand,
     Backend,
@@ -98,6 +98,11 @@ class RLClient:
         self.attempt_s = ATTEMPT_S
         """How long one attempt of a control call waits before the same command is sent again
         (on the same reply subject: an answer to any send of it answers the call)."""
+        self.reask_s = REASK_S
+        """A generate whose worker said it runs it, unanswered this long after its last send, is
+        asked of that worker again (then twice as long each time, up to six times this): a reply lost
+        on the worker's link, which the caller's own link cannot notice, costs this, not the
+        call's deadline."""
         self._owns = owns_connection
         self._replies = ReplyInbox(nc)
         """Where answers arrive: a call keeps one reply subject across its resends."""
@@ -203,7 +208,7 @@ class RLClient:
         nobody: Fault | None = None  # the last UNAVAILABLE (no responders, a link down): what a try cut short ends with
         # every send of this call is answered on one subject: an answer slower than one attempt
         # (a store riding out a node loss) still reaches the call after it sent again
-        call = self._replies.call(fresh, redirects)
+        call = self._replies.call(fresh, redirects, self.reask_s)
         try:
             while True:
                 left = t - (time.monotonic() - start)

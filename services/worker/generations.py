@@ -6,7 +6,11 @@ waits for the run; one that comes after it gets the run's reply, kept RECENT_S s
 RECENT_MAX replies); the client takes the first answer to any of its sends. The worker that takes a
 request tells the caller its own subject (RESEND_TO_HEADER), so a send again reaches it rather
 than the queue group; one that reaches another worker (the word was lost too, or the worker is
-gone) runs there afresh. A request without an id runs on every send.
+gone) runs there afresh. A send again of a request still running is told so (the same word),
+since the run's reply goes to the reply subject every send of the SDK's call shares; the SDK
+also asks again from time to time while no answer came (bus/replies.py: a reply lost on the
+worker's own link leaves the caller nothing to notice). A request without an id runs on every
+send.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class Generations:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    def runs(self, request_id: str) -> bool:
+        """Whether this worker runs `request_id` now (its reply is still to come)."""
+        return request_id in self._running
 
     def __contains__(self, request_id: str) -> bool:
         """Whether this worker runs `request_id` now or answered it lately."""

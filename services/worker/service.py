@@ -549,27 +549,38 @@ class WorkerService:
         except ServiceError as e:  # undecodable: no micro endpoint around this subscription answers it
             await req.respond_error(e.code, e.description)
 
+    async def _say_where(self, req: Request, request_id: str) -> None:
+        """Tell the caller this worker runs `request_id`, and where a send again goes."""
+        try:
+            await req.respond(b"", headers={RESEND_TO_HEADER: self.subjects.generate_at(self.id)})
+        except Exception as e:  # a dead link: the answer goes out (or is lost) after it all the same
+            log.debug("worker %s: could not say where to send %s again: %s", self.id, request_id, e)
+
     async def _generate(self, req: Request, again: bool) -> None:
-        """Run a generate, or join this worker's run of its request id (running, or answered
-        lately: see Generations). One taken from the queue group tells a caller that asks
-        (SENDS_AGAIN_HEADER) where a send again goes (RESEND_TO_HEADER: this worker's own
-        subject); one sent again here that this worker runs or ran is answered from that run,
-        even while the worker is withheld."""
+        """Run a generate, or answer from this worker's run of its request id (see Generations).
+        One taken from the queue group tells a caller that asks (SENDS_AGAIN_HEADER) where a
+        send again goes (RESEND_TO_HEADER: this worker's own subject). One sent again here,
+        even while the worker is withheld: of a run still under way, the same word (the run's
+        reply goes to the reply subject the caller's sends share); of a run answered lately,
+        that run's reply; of a run this worker does not know, a run here."""
         try:
             gen = generate_request_decoder.decode(req.data)
         except DecodeError as e:
             raise ServiceError(UNDECODABLE_STATUS, f"undecodable generate payload: {e}") from None
-        ours = again and gen.request_id is not None and gen.request_id in self._generations
+        rid = gen.request_id
+        if again and rid is not None and self._generations.runs(rid):
+            # still under way: its reply goes to the reply subject the caller's sends share; this
+            # send is told the run is here (asked again after it, the finished run answers)
+            await self._say_where(req, rid)
+            return
+        ours = again and rid is not None and rid in self._generations
         if not ours and (self.book.withheld or self._silent_too_long()):  # delivered before it left the queue group
             await req.respond(
                 encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack())
             )
             return
         if gen.request_id is not None and not again and (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
-            try:
-                await req.respond(b"", headers={RESEND_TO_HEADER: self.subjects.generate_at(self.id)})
-            except Exception as e:  # a dead link: the answer goes out (or is lost) after it all the same
-                log.debug("worker %s: could not say where to send %s again: %s", self.id, gen.request_id, e)
+            await self._say_where(req, gen.request_id)
 
         async def work() -> bytes:
             try:
@@ -578,7 +589,7 @@ class WorkerService:
                 return encode(e.to_nack())
             return encode(msgspec.structs.replace(r, worker_id=self.id))
 
-        # a send again after the client's link came back joins the run of its request id
+        # a send that finds a run of its request id under way waits for it
         self._endpoints.spawn(req, lambda: self._generations.run(gen.request_id, work))
 
 

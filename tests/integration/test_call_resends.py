@@ -1,11 +1,14 @@
 """A call's sends after a reconnect (rlbus/bus/replies.py): they go where the service that took
 the call said (RESEND_TO_HEADER), and back where the call was first sent when that service is
-gone. Real nats-server, a real reconnect through a TCP proxy."""
+gone; a call that asks where to send again and was never told is never sent again through the
+queue group when its re-ask gap passes. Real nats-server, a real reconnect through a TCP proxy."""
 
 from __future__ import annotations
 
 import asyncio
 
+import nats.errors
+import pytest
 from rlbus.schemas import RESEND_TO_HEADER
 
 from rlbus.bus.connection import connect
@@ -47,3 +50,28 @@ async def test_a_send_again_to_a_service_that_is_gone_goes_where_the_call_was_fi
         finally:
             await caller.close()
             await server.close()
+
+
+async def test_a_call_never_told_where_to_send_again_is_not_sent_again_when_its_gap_passes(nats_server):
+    """The re-ask gap (a reply lost with no reconnect) applies only where the service said it
+    runs the call: through the queue group a send again would run it a second time."""
+    server = await connect(nats_server.url, name="takes-and-stays-silent")
+    caller = await connect(nats_server.url, name="caller")
+    deliveries: list[str] = []
+
+    async def on_request(msg) -> None:
+        deliveries.append(msg.subject)
+
+    await server.subscribe(SUBJECT, queue="q", cb=on_request)
+    await server.flush()
+    try:
+        inbox = ReplyInbox(caller)
+        call = inbox.call(redirects=True, reask_s=0.05)
+        with pytest.raises(nats.errors.TimeoutError):
+            await call.ask(SUBJECT, b"generate", 0.6)  # a dozen gaps
+        assert deliveries == [SUBJECT], "sent once"
+        call.close()
+        await inbox.close()
+    finally:
+        await caller.close()
+        await server.close()

@@ -25,6 +25,7 @@ from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
 from rlbus.services.worker.service import WorkerOptions
 
+from rlbus.bus.replies import relinks_of
 from rlbus.runners.local import LocalFleet
 from rlbus.runners.natsserver import NatsServer
 from rlbus.sdk.client import RLClient
@@ -258,6 +259,63 @@ async def test_a_generate_reply_lost_while_the_callers_link_was_down_is_asked_ag
         timeout=20,
     )
     assert generate_reply_decoder.decode(plain.data).tokens == again.tokens, "a plain request gets the answer alone"
+
+
+async def test_a_generate_reply_lost_with_no_reconnect_is_asked_again_of_the_worker_after_a_gap_not_the_deadline(
+    fleet, server, prefix
+):
+    """A reply can be lost with nothing for the caller's link to notice (on the worker's link,
+    closed by the server while it was silent; here, swallowed on the caller's link for a moment
+    too short to drop it). A call the worker told where to send again asks there after a gap
+    (RLClient.reask_s, doubled each time) while no answer came: a run under way answers with
+    the same word, not a second reply; a finished one with its reply. So the call ends in
+    seconds, not at its deadline, with no reconnect and one run."""
+    f, rl = fleet
+    assert server.port is not None
+    subjects = Subjects(prefix=prefix)
+    sends: list[str] = []
+    answers: list = []
+
+    async def seen(msg) -> None:
+        sends.append(msg.subject)
+
+    async def answered(msg) -> None:
+        answers.append(msg)
+
+    spies = [await rl.nc.subscribe(s, cb=seen) for s in (subjects.generate, subjects.generate_at("*"))]
+    told = asyncio.Event()
+    async with Blackhole(server.port) as hole:
+        hole.tripwire = (RESEND_TO_HEADER.encode(), told.set)
+        far = await RLClient.connect(hole.url, prefix=prefix, timeout=30.0)
+        far.reask_s = 0.5
+        relinks = relinks_of(far.nc).count
+        try:
+            await rl.pause("keep")  # new requests wait for the resume
+            try:
+                call = asyncio.create_task(far.generate([1, 2, 3], 4, timeout=30.0))
+                await asyncio.wait_for(told.wait(), 10)
+                spies.append(await rl.nc.subscribe(far._replies._prefix + "*", cb=answered))
+                took = next(wid for wid, w in f.workers.items() if w.engine.status().waiting == 1)
+                words = lambda: [m for m in answers if not m.data and RESEND_TO_HEADER in (m.headers or {})]  # noqa: E731
+                # asked again while the run is held: told the run is there, no second run
+                await eventually(lambda: len(words()) >= 1, timeout=10, what="a word for an ask while it runs")
+                assert sends[0] == subjects.generate and subjects.generate_at(took) in sends[1:], sends
+                hole.holed = True  # the reply will be swallowed; the link stays up
+            finally:
+                await rl.resume()
+            await eventually(lambda: b"generate_reply" in hole.swallowed, timeout=10, what="the reply lost on the link")
+            hole.holed = False  # nothing tells the caller: no reconnect, no resend of that kind
+            reply = await asyncio.wait_for(call, 15)
+            assert relinks_of(far.nc).count == relinks, "answered without a reconnect"
+        finally:
+            await far.close()
+            for spy in spies:
+                await spy.unsubscribe()
+    assert len(reply.tokens) == 4 and reply.worker_id == took, "answered by the run of the worker that took it"
+    assert set(sends[1:]) == {subjects.generate_at(took)}, sends
+    replies = [m for m in answers if m.data]
+    assert len(replies) == 2, "the lost reply and the same reply once more: one run, no reply a word answered"
+    assert replies[0].data == replies[1].data
 
 
 async def test_a_blackholed_worker_is_detected_within_seconds_and_rejoins_when_the_link_returns(fleet, server, prefix):

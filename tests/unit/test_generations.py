@@ -36,8 +36,10 @@ async def test_a_send_again_while_the_request_runs_waits_for_that_run():
     gens, work = G.Generations(), Work()
     first, again = await two_sends(gens, work)
     assert gens.running == 1 and not again.done() and "r1" in gens and "r2" not in gens
+    assert gens.runs("r1") and not gens.runs("r2")
     work.release.set()
     assert await first == await again == b"reply 1" and work.runs == 1
+    assert not gens.runs("r1") and "r1" in gens, "answered: kept, no longer running"
     assert "r1" in gens, "answered lately: a send again here is this worker's to answer"
 
 
