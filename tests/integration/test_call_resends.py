@@ -60,7 +60,7 @@ async def test_a_call_never_told_where_to_send_again_is_not_sent_again_when_its_
     deliveries: list[str] = []
 
     async def on_request(msg) -> None:
-        deliveries.append(msg.subject)
+        deliveries.append(msg.data)
 
     await server.subscribe(SUBJECT, queue="q", cb=on_request)
     await server.flush()
@@ -69,7 +69,9 @@ async def test_a_call_never_told_where_to_send_again_is_not_sent_again_when_its_
         call = inbox.call(redirects=True, reask_s=0.05)
         with pytest.raises(nats.errors.TimeoutError):
             await call.ask(SUBJECT, b"generate", 0.6)  # a dozen gaps
-        assert deliveries == [SUBJECT], "sent once"
+        await caller.publish(SUBJECT, b"marker")  # delivered after any send of the call's
+        await eventually(lambda: b"marker" in deliveries, timeout=10, what="the marker")
+        assert deliveries == [b"generate", b"marker"], "sent once"
         call.close()
         await inbox.close()
     finally:
