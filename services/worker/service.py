@@ -219,7 +219,6 @@ class WorkerService:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(2):  # unsubscribing needs a live connection
                     await hello.unsubscribe()
-                    await again.unsubscribe()
                     await self._serve_generation(False)
                     await stop_service(self._micro)
                 with anyio.move_on_after(self.opts.drain_timeout_s):
@@ -229,6 +228,8 @@ class WorkerService:
                     with anyio.move_on_after(2):
                         await eps.wait_idle()
                     await self.engine.resume()
+                with anyio.move_on_after(2):  # the runs it drained were asked after here until now
+                    await again.unsubscribe()
                 with anyio.move_on_after(2):
                     try:
                         await self.nc.publish(
@@ -574,6 +575,8 @@ class WorkerService:
             await self._say_where(req, rid)
             return
         ours = again and rid is not None and rid in self._generations
+        if again and not ours and self._stop.is_set():
+            return  # stopping: no new run here; once it is gone, a send again goes through the queue group
         if not ours and (self.book.withheld or self._silent_too_long()):  # delivered before it left the queue group
             await req.respond(
                 encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack())

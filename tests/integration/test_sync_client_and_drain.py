@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
-from rlbus.schemas import FleetAck, GenerateReply
+from rlbus.schemas import RESEND_TO_HEADER, FleetAck, GenerateReply, Subjects
 
 import rlbus
 from rlbus.sdk.client import SyncRLClient
@@ -90,6 +91,51 @@ async def test_graceful_stop_aborts_a_frozen_request_after_the_drain_timeout_and
         assert reply.worker_id == "d1"
         assert reply.finish_reason == "abort" and len(reply.tokens) < 200
     finally:
+        await rl.close()
+        await f.close()
+
+
+async def test_a_request_asked_again_while_its_worker_drains_is_answered_there_and_runs_nowhere_else(
+    nats_server, prefix
+):
+    """The SDK asks a worker about its generate from time to time (RLClient.reask_s). While that
+    worker drains, it still answers for the runs it drains (and starts none): the asks never go
+    through the queue group, where another worker would run the request a second time, and the
+    reply is the drained run's."""
+    subjects = Subjects(prefix=prefix + "-reask")
+    f, rl = await start_fleet(nats_server.url, subjects.prefix, ["d3", "d4"], model=MODEL, drain_timeout_s=1.0)
+    rl.reask_s = 0.05
+    through_group: list[bytes] = []
+    words: list[float] = []
+
+    async def sent(msg) -> None:
+        through_group.append(msg.data)
+
+    async def answered(msg) -> None:
+        if not msg.data and RESEND_TO_HEADER in (msg.headers or {}):
+            words.append(time.monotonic())
+
+    # no listener on the workers' own subjects: a send there that nobody takes must say so
+    spies = [await rl.nc.subscribe(subjects.generate, cb=sent)]
+    try:
+        task = asyncio.create_task(rl.generate([1, 2, 3], 200, timeout=20.0))
+        await eventually(lambda: sum(w.state().in_flight for w in f.workers.values()) == 1, what="the request decoding")
+        spies.append(await rl.nc.subscribe(rl._replies._prefix + "*", cb=answered))
+        took = next(wid for wid, w in f.workers.items() if w.state().in_flight == 1)
+        other = next(wid for wid in f.workers if wid != took)
+        await rl.pause("keep")  # frozen where it runs
+
+        stopping = time.monotonic()
+        await f.stop(f.workers[took])  # drains for 1 s, then aborts what it froze
+
+        reply = await asyncio.wait_for(task, 10)
+        assert reply.worker_id == took and reply.finish_reason == "abort"
+        assert len(through_group) == 1, "never through the queue group again"
+        assert any(t > stopping for t in words), "asked while it drained, and told it runs there"
+        assert f.workers[other].engine.status().waiting == 0, "no second run"
+    finally:
+        for spy in spies:
+            await spy.unsubscribe()
         await rl.close()
         await f.close()
 
