@@ -11,17 +11,7 @@ from contextlib import asynccontextmanager
 import anyio
 from rlbus.services.endpoints import PARKED_RUNNERS, Endpoints
 
-
-class Req:
-    """The part of a nats.micro Request that Endpoints uses."""
-
-    def __init__(self) -> None:
-        self.answer: bytes | None = None
-        self.answered = anyio.Event()
-
-    async def respond(self, data: bytes) -> None:
-        self.answer = data
-        self.answered.set()
+from tests.micro_requests import Req
 
 
 class CountingGroup:

@@ -11,19 +11,7 @@ import msgspec
 from rlbus.schemas import Nack, PauseWorker, WorkerAck, WorkerState, encode
 from rlbus.services.endpoints import Endpoints, Routes
 
-
-class Req:
-    """The part of a nats.micro Request that an endpoint uses."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.headers = None
-        self.answer: bytes | None = None
-        self.answered = anyio.Event()
-
-    async def respond(self, data: bytes) -> None:
-        self.answer = data
-        self.answered.set()
+from tests.micro_requests import Req
 
 
 class Group:
