@@ -205,16 +205,17 @@ class Call:
                     break
                 # a reply sent while the link was down is lost; one lost on the far side leaves
                 # nothing to notice but the time
-                due = redirecting and loop.time() >= asked + gap
-                if due and self.resend_to is None and not relinked.done():
-                    asked = loop.time()  # not told where it runs: never through the queue group again
-                    continue
-                if relinked.done() or due:
-                    if due:
-                        gap = min(2 * gap, REASK_MAX * self.reask_s)
+                now = loop.time()
+                due = redirecting and now >= asked + gap
+                if due:  # asked where it runs only: never through the queue group again
+                    asked = now
+                reask = due and self.resend_to is not None
+                if reask:
+                    gap = min(2 * gap, REASK_MAX * self.reask_s)
+                if relinked.done() or reask:
                     self.sent += 1
                     redirected = self.resend_to is not None
-                    asked = loop.time()
+                    asked = now
                     await nc.publish(
                         self.resend_to or subject, payload, reply=prefix + self.token, headers=self._headers
                     )

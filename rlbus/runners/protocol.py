@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 import rlbus.schemas as s
+from rlbus.bus.replies import REASK_MAX, REASK_S
 from rlbus.schemas.subjects import FIRST_SEND_HEADER, RESEND_TO_HEADER, SENDS_AGAIN_HEADER, KvKey, ServiceName
 
 PREFIX = "rl"
@@ -235,7 +236,7 @@ def render() -> str:
         f"by a message with no body and the header `{RESEND_TO_HEADER}: {s.Subjects(PREFIX).generate_at('<id>')}` from",
         "the worker that took it: not the answer, but where a send again goes (a caller sends again",
         "after its link came back, since a reply sent while it was down is lost, and, while no answer",
-        "came, after 10 s, 20, 40, then every 60 s, for a reply lost on the worker's side). Every send",
+        f"came, after {REASK_S:g} s, {2 * REASK_S:g}, {4 * REASK_S:g}, then every {REASK_MAX * REASK_S:g} s, for a reply lost on the worker's side). Every send",
         "of a request carries the reply subject of its first send. There the worker answers from its",
         "run of that id: one still under way with the same word (its reply goes to that reply subject),",
         "one answered in the last two minutes with its reply; one it does not know it runs. So a request",

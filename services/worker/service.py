@@ -582,8 +582,8 @@ class WorkerService:
                 encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack())
             )
             return
-        if gen.request_id is not None and not again and (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
-            await self._say_where(req, gen.request_id)
+        if rid is not None and not again and (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
+            await self._say_where(req, rid)
 
         async def work() -> bytes:
             try:
@@ -593,7 +593,7 @@ class WorkerService:
             return encode(msgspec.structs.replace(r, worker_id=self.id))
 
         # a send that finds a run of its request id under way waits for it
-        self._endpoints.spawn(req, lambda: self._generations.run(gen.request_id, work))
+        self._endpoints.spawn(req, lambda: self._generations.run(rid, work))
 
 
 def _tags(tags: list | None) -> list:
