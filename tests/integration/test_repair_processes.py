@@ -1,6 +1,6 @@
 """Repair against real faults: the peer a repair reads from is a real worker process, SIGKILLed
-the moment it is told to send; the repair aborts on the receiver (nothing unverified is served)
-and is retried from another peer. A trainer's push that arrives during a repair waits for it and
+the moment the controller tells it to send (before the command leaves); the repair aborts on the
+receiver (nothing unverified is served) and is retried from another peer. A trainer's push that arrives during a repair waits for it and
 commits on the whole fleet."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 import anyio
 import msgspec
 import pytest
-from rlbus.schemas import Subjects
+from rlbus.schemas import SendWeightsWorker, Subjects
+from rlbus.services.controller.fleet import Stamped
 from rlbus.services.controller.repair import RepairOptions
 from rlbus.services.controller.service import ControllerOptions
 from rlbus.services.worker.reference_engine import ReferenceEngine
@@ -68,18 +69,25 @@ async def _new_worker(f: LocalFleet, subjects: Subjects, wid: str, seed: int):
     )
 
 
-async def test_a_peer_killed_while_it_sends_a_repair_is_replaced_by_another(fleet):
+async def test_a_peer_killed_as_it_is_told_to_send_a_repair_is_replaced_by_another(fleet):
     f, rl, proc, subjects = fleet
     named = trained(51)
     await rl.push_weights(named, new_version("rp"))
     events = FleetEvents()
     subs = [await rl.nc.subscribe(subjects.event(k), cb=events.on) for k in ("worker_repaired", "repair_failed")]
 
-    async def kill_the_sender(msg) -> None:
-        proc.send_signal(signal.SIGKILL)
+    fleet_send = f.controller.fleet.send
 
-    subs.append(await rl.nc.subscribe(subjects.worker(PROC, "send_weights"), cb=kill_the_sender))
-    await rl.nc.flush()
+    async def kill_the_sender_as_it_is_told_to_send(build, workers=None, timeout=None):
+        # The kill lands before the command leaves, whatever the load: a subscriber of the send's
+        # subject ran after the peer had sent and answered (a tiny model takes ~5 ms; CI's test
+        # loop was busier than that).
+        if isinstance(build, Stamped) and build.command is SendWeightsWorker and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(5)
+        return await fleet_send(build, workers, timeout)
+
+    f.controller.fleet.send = kill_the_sender_as_it_is_told_to_send  # type: ignore[method-assign]
     try:
         new = await _new_worker(f, subjects, "z-new", seed=77)
         committed = (f.controller.version.version, f.controller.version.seq)
@@ -100,6 +108,7 @@ async def test_a_peer_killed_while_it_sends_a_repair_is_replaced_by_another(flee
         assert (st.weight_version, st.weight_seq) == (f.controller.version.version, f.controller.version.seq)
         assert not st.withheld
     finally:
+        f.controller.fleet.send = fleet_send  # type: ignore[method-assign]
         for s in subs:
             await s.unsubscribe()
 
