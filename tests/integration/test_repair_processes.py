@@ -1,7 +1,7 @@
 """Repair against real faults: the peer a repair reads from is a real worker process, SIGKILLed
 the moment the controller tells it to send (before the command leaves); the repair aborts on the
-receiver (nothing unverified is served) and is retried from another peer. A trainer's push that arrives during a repair waits for it and
-commits on the whole fleet."""
+receiver (nothing unverified is served) and is retried from another peer. A trainer's push that
+arrives during a repair waits for it and commits on the whole fleet."""
 
 from __future__ import annotations
 
