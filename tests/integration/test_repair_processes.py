@@ -69,7 +69,7 @@ async def _new_worker(f: LocalFleet, subjects: Subjects, wid: str, seed: int):
     )
 
 
-async def test_a_peer_killed_as_it_is_told_to_send_a_repair_is_replaced_by_another(fleet):
+async def test_a_peer_killed_as_it_is_told_to_send_a_repair_is_replaced_by_another(fleet, monkeypatch):
     f, rl, proc, subjects = fleet
     named = trained(51)
     await rl.push_weights(named, new_version("rp"))
@@ -87,7 +87,7 @@ async def test_a_peer_killed_as_it_is_told_to_send_a_repair_is_replaced_by_anoth
             proc.wait(5)
         return await fleet_send(build, workers, timeout)
 
-    f.controller.fleet.send = kill_the_sender_as_it_is_told_to_send  # type: ignore[method-assign]
+    monkeypatch.setattr(f.controller.fleet, "send", kill_the_sender_as_it_is_told_to_send)
     try:
         new = await _new_worker(f, subjects, "z-new", seed=77)
         committed = (f.controller.version.version, f.controller.version.seq)
@@ -108,7 +108,6 @@ async def test_a_peer_killed_as_it_is_told_to_send_a_repair_is_replaced_by_anoth
         assert (st.weight_version, st.weight_seq) == (f.controller.version.version, f.controller.version.seq)
         assert not st.withheld
     finally:
-        f.controller.fleet.send = fleet_send  # type: ignore[method-assign]
         for s in subs:
             await s.unsubscribe()
 
