@@ -78,6 +78,7 @@ from .state import (
 )
 from .subjects import (
     FIRST_SEND_HEADER,
+    HANDED_BACK_HEADER,
     RESEND_TO_HEADER,
     SENDS_AGAIN_HEADER,
     UNKNOWN_OP_QUEUE,

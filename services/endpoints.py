@@ -499,8 +499,15 @@ one costs an Event (~2 us); starting a task in an anyio task group costs ~30 us 
 these machines), which at 64 workers is a tenth of a session's commit fan-out."""
 
 
-_Job = tuple[Request, Callable[[], Awaitable[bytes]], str]
-"""A command to answer: its request, the work that makes the answer, its command id."""
+class Reply(msgspec.Struct, frozen=True):
+    """An answer sent with headers (a spawned job's work may return one instead of bytes)."""
+
+    data: bytes
+    headers: dict[str, str] | None = None
+
+
+_Job = tuple[Request, Callable[[], Awaitable["bytes | Reply"]], str]
+"""A request to answer: the request, the work that makes the answer, its command id."""
 
 
 class _Parked:
@@ -619,7 +626,7 @@ class Endpoints:
 
         return on_message
 
-    def spawn(self, req: Request, work: Callable[[], Awaitable[bytes]], command_id: str = "") -> None:
+    def spawn(self, req: Request, work: Callable[[], Awaitable[bytes | Reply]], command_id: str = "") -> None:
         """Run `work` and reply with its answer, in a task of the service's (a parked one if any)."""
         job: _Job = (req, work, command_id)
         if self._parked:
@@ -704,13 +711,16 @@ class Endpoints:
             log.exception("%s: %s: keeping its answer failed", self._name, type(cmd).__name__)
             return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
 
-    async def _send(self, req: Request, data: bytes) -> None:
+    async def _send(self, req: Request, data: bytes | Reply) -> None:
         try:
-            await req.respond(data)
+            if isinstance(data, Reply):
+                await req.respond(data.data, headers=data.headers)
+            else:
+                await req.respond(data)
         except Exception as e:  # connection closed mid-reply: nothing else to tell
             log.warning("%s: could not reply: %s", self._name, e)
 
-    async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes]], command_id: str = "") -> None:
+    async def _reply(self, req: Request, work: Callable[[], Awaitable[bytes | Reply]], command_id: str = "") -> None:
         """Run `work`, reply with its answer, then wait for the durable store to acknowledge the
         answer it was sent ahead of the reply (a drain waits for that too)."""
         try:

@@ -20,7 +20,8 @@ the call waited out its 300 s. A reply can also be lost with no reconnect of the
 own (on the worker's link, closed by the server while it was silent), so a call told where to
 send again also asks there from time to time while no answer came: REASK_S after a send, then
 twice as long each time, up to REASK_MAX times that; the worker answers with a word (the run is still
-under way) or with the finished run's reply."""
+under way) or with the finished run's reply. A worker that stops hands back a generate it holds
+and has not started (HANDED_BACK_HEADER): the call sends it through the queue group at once."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rlbus.schemas import FIRST_SEND_HEADER, RESEND_TO_HEADER, SENDS_AGAIN_HEADER
+from rlbus.schemas import FIRST_SEND_HEADER, HANDED_BACK_HEADER, RESEND_TO_HEADER, SENDS_AGAIN_HEADER
 
 _FIRST = {FIRST_SEND_HEADER: "1"}
 
@@ -154,14 +155,23 @@ class Call:
         self.reask_s = reask_s
         """While resend_to is known and no answer came: the gap before it is asked again (doubled
         each time, up to REASK_MAX times this)."""
+        self._back: asyncio.Future[None] | None = None
+        """Set when the worker that held the call handed it back, not started (HANDED_BACK_HEADER):
+        the waiting ask sends it through the queue group again at once."""
 
     def arrived(self, msg: Msg) -> None:
         """An answer to one of this call's sends. A real one replaces a no-responders that an
         earlier send got (the service came up meanwhile); the first real one stands. A word of
         where to send again is kept, and answers nothing; a no-responders forgets it (the
-        worker that took the call is gone)."""
+        worker that took the call is gone). A hand-back (the worker stops, and did not start it)
+        forgets it too, and has the waiting ask send through the queue group at once."""
         if msg.headers and RESEND_TO_HEADER in msg.headers:
             self.resend_to = msg.headers[RESEND_TO_HEADER]
+            return
+        if msg.headers and HANDED_BACK_HEADER in msg.headers:
+            self.resend_to = None
+            if self._back is not None and not self._back.done():
+                self._back.set_result(None)
             return
         if _nobody(msg):
             self.resend_to = None
@@ -195,14 +205,21 @@ class Call:
         relinks = relinks_of(nc)
         redirected = False  # the last send went to resend_to
         redirecting, gap, asked = self._headers is not None, self.reask_s, loop.time()
+        back = self._back = loop.create_future()
         while True:
             while not answer.done() and (left := end - loop.time()) > 0:
                 relinked = relinks.next()
                 wait = max(0.0, min(left, asked + gap - loop.time())) if redirecting else left
-                # asyncio.wait leaves both futures alone when it returns: a later send shares the answer
-                await asyncio.wait((answer, relinked), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                # asyncio.wait leaves the futures alone when it returns: a later send shares the answer
+                await asyncio.wait((answer, relinked, back), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if answer.done():
                     break
+                if back.done():  # handed back, not started: through the queue group, now
+                    back = self._back = loop.create_future()
+                    self.sent += 1
+                    redirected, asked = False, loop.time()
+                    await nc.publish(subject, payload, reply=prefix + self.token, headers=self._headers)
+                    continue
                 # a reply sent while the link was down is lost; one lost on the far side leaves
                 # nothing to notice but the time
                 now = loop.time()

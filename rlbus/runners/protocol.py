@@ -17,7 +17,14 @@ import msgspec
 
 import rlbus.schemas as s
 from rlbus.bus.replies import REASK_MAX, REASK_S
-from rlbus.schemas.subjects import FIRST_SEND_HEADER, RESEND_TO_HEADER, SENDS_AGAIN_HEADER, KvKey, ServiceName
+from rlbus.schemas.subjects import (
+    FIRST_SEND_HEADER,
+    HANDED_BACK_HEADER,
+    RESEND_TO_HEADER,
+    SENDS_AGAIN_HEADER,
+    KvKey,
+    ServiceName,
+)
 
 PREFIX = "rl"
 
@@ -241,6 +248,12 @@ def render() -> str:
         "run of that id: one still under way with the same word (its reply goes to that reply subject),",
         "one answered in the last two minutes with its reply; one it does not know it runs. So a request",
         "is not run a second time on another worker. Without the header the answer comes alone.",
+        "",
+        "A worker that stops hands back what it holds and has not started (a request that arrived while",
+        "the fleet was paused, or one sent again to it after it began to stop): to a request with the",
+        f"header, a message with no body and the header `{HANDED_BACK_HEADER}: 1`, on which the caller sends",
+        "it again through the queue group at once (another worker takes it); without the header,",
+        "`UNAVAILABLE` saying the request was not started. Nothing of it ran on that worker.",
         "",
     ]
     for cls in (s.GenerateRequest, s.GenerateReply, s.WeightVersionSpan):

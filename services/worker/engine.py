@@ -143,6 +143,11 @@ class EngineReceiver(Protocol):
         ...
 
 
+class NotStarted(Unavailable):
+    """A new request the engine held (paused, or waiting for the model) and never started, ended
+    because the worker stops (Engine.hand_back): nothing of it ran, so it may run elsewhere."""
+
+
 class Engine(abc.ABC):
     """Everything here is called from the worker's event loop; long work must not block it.
 
@@ -176,6 +181,8 @@ class Engine(abc.ABC):
         self._sleep_level = 0
         self._waiting = 0
         """New requests held before the model (paused, or whatever else `_wait_until_open` waits for)."""
+        self._handing_back = False
+        """The worker stops: new requests end with NotStarted rather than wait (hand_back)."""
         self._changes = Changes()
 
     def attach(self, labels: Labels) -> None:
@@ -283,17 +290,31 @@ class Engine(abc.ABC):
 
     async def _wait_until_open(self, blocked: Callable[[], bool] = lambda: False) -> None:
         """New requests wait for resume in every pause mode (and while `blocked()`), then are
-        checked again: the engine may have gone to sleep meanwhile."""
+        checked again: the engine may have gone to sleep meanwhile. Once the worker stops
+        (hand_back), one still waiting, or arriving, raises NotStarted instead."""
+        self._refuse_if_handed_back()
         if not self._paused and not blocked():
             return
         self._waiting += 1
         self._changes.notify()
         try:
-            await self._changes.until(lambda: not self._paused and not blocked())
+            await self._changes.until(lambda: self._handing_back or (not self._paused and not blocked()))
         finally:
             self._waiting -= 1
             self._changes.notify()
+        self._refuse_if_handed_back()
         self._refuse_if_unservable()
+
+    def hand_back(self) -> None:
+        """The worker stops: every new request held here and not started (arrived while paused,
+        or waiting for the model) ends at once with NotStarted, and so does any that comes after,
+        so that its caller can send it to another worker (a drain waits only for what runs)."""
+        self._handing_back = True
+        self._changes.notify()
+
+    def _refuse_if_handed_back(self) -> None:
+        if self._handing_back:
+            raise NotStarted("the worker is stopping: the request was not started here; send it again")
 
     # ---- pause / resume ------------------------------------------------------------------
 

@@ -56,9 +56,10 @@ class Generations:
         got = self._answered.get(request_id)
         return got[1] if got is not None else None
 
-    async def run(self, request_id: str | None, work: Callable[[], Awaitable[bytes]]) -> bytes:
+    async def run(self, request_id: str | None, work: Callable[[], Awaitable[bytes | None]]) -> bytes | None:
         """`work`'s reply, or that of the run of `request_id` this worker has under way or
-        answered lately."""
+        answered lately. None: the run ended with no reply (`work` said so: the request was
+        not started, and a send of it that waited here runs it), kept nowhere."""
         if request_id is None:
             return await work()
         while True:
@@ -78,9 +79,10 @@ class Generations:
             answer = await work()
         finally:
             del self._running[request_id]
-            run.set_result(answer)  # None (cancelled, or a bug raised): a waiting send runs it
-        self._answered[request_id] = (self._clock(), answer)
-        self._expire()
+            run.set_result(answer)  # None (not started, cancelled, or a bug raised): a waiting send runs it
+        if answer is not None:
+            self._answered[request_id] = (self._clock(), answer)
+            self._expire()
         return answer
 
     def _expire(self) -> None:

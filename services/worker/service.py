@@ -24,6 +24,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 from rlbus.schemas import (
+    HANDED_BACK_HEADER,
     RESEND_TO_HEADER,
     SENDS_AGAIN_HEADER,
     SLEEP_TAGS,
@@ -69,12 +70,12 @@ from rlbus.schemas import (
     op_of,
 )
 from rlbus.schemas.codec import DecodeError
-from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Routes
+from rlbus.services.endpoints import Endpoints, Handler, NotRunning, Reply, Routes
 
 from rlbus.bus.connection import request, stop_service
 
 from .book import Book, WeightLabel
-from .engine import Engine
+from .engine import Engine, NotStarted
 from .generations import Generations
 from .repair import RepairSource
 from .updates import WeightUpdates
@@ -221,6 +222,7 @@ class WorkerService:
                     await hello.unsubscribe()
                     await self._serve_generation(False)
                     await stop_service(self._micro)
+                self.engine.hand_back()  # what it holds and has not started goes to another worker now
                 with anyio.move_on_after(self.opts.drain_timeout_s):
                     await eps.wait_idle()
                 if eps.in_flight:
@@ -575,8 +577,9 @@ class WorkerService:
             await self._say_where(req, rid)
             return
         ours = again and rid is not None and rid in self._generations
-        if again and not ours and self._stop.is_set():
-            return  # stopping: no new run here; once it is gone, a send again goes through the queue group
+        if again and not ours and self._stop.is_set():  # stopping: no new run here
+            await self._send_hand_back(req)
+            return
         if not ours and (self.book.withheld or self._silent_too_long()):  # delivered before it left the queue group
             await req.respond(
                 encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack())
@@ -585,15 +588,40 @@ class WorkerService:
         if rid is not None and not again and (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
             await self._say_where(req, rid)
 
-        async def work() -> bytes:
+        async def work() -> bytes | None:
             try:
                 r = await self.engine.generate(gen)
+            except NotStarted:
+                return None  # kept nowhere: handed back below, a send again runs it
             except RLBusError as e:
                 return encode(e.to_nack())
             return encode(msgspec.structs.replace(r, worker_id=self.id))
 
-        # a send that finds a run of its request id under way waits for it
-        self._endpoints.spawn(req, lambda: self._generations.run(rid, work))
+        async def answer() -> bytes | Reply:
+            # a send that finds a run of its request id under way waits for it
+            reply = await self._generations.run(rid, work)
+            return reply if reply is not None else self._hand_back(req)
+
+        self._endpoints.spawn(req, answer)
+
+    def _hand_back(self, req: Request) -> Reply:
+        """The answer to a generate this worker holds and will not start, as it stops: the word
+        that sends it through the queue group again at once (HANDED_BACK_HEADER) to a caller
+        that understands it (SENDS_AGAIN_HEADER), else UNAVAILABLE saying it was not started."""
+        if (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
+            return Reply(b"", {HANDED_BACK_HEADER: "1"})
+        return Reply(
+            encode(
+                Unavailable(f"worker {self.id} is stopping: the request was not started there; send it again").to_nack()
+            )
+        )
+
+    async def _send_hand_back(self, req: Request) -> None:
+        reply = self._hand_back(req)
+        try:
+            await req.respond(reply.data, headers=reply.headers)
+        except Exception as e:  # a dead link: the caller asks elsewhere after its gap all the same
+            log.debug("worker %s: could not hand a generate back: %s", self.id, e)
 
 
 def _tags(tags: list | None) -> list:

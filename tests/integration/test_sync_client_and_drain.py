@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+from collections.abc import Awaitable
 
 import pytest
-from rlbus.schemas import RESEND_TO_HEADER, FleetAck, GenerateReply, Subjects
+from rlbus.schemas import (
+    RESEND_TO_HEADER,
+    FleetAck,
+    GenerateReply,
+    GenerateRequest,
+    Subjects,
+    encode,
+    generate_reply_decoder,
+)
 
 import rlbus
-from rlbus.sdk.client import SyncRLClient
+from rlbus.bus.faults import expect_reply
+from rlbus.runners.launcher import ProcessFleet
+from rlbus.sdk.client import RLClient, SyncRLClient
 from tests.fleet import LONG, fleet_running, start_fleet
 from tests.waiting import eventually
 
@@ -138,6 +150,113 @@ async def test_a_request_asked_again_while_its_worker_drains_is_answered_there_a
             await spy.unsubscribe()
         await rl.close()
         await f.close()
+
+
+async def test_a_draining_worker_hands_back_a_request_a_pause_held_and_another_worker_runs_it(nats_server, prefix):
+    """A generate that arrived while the fleet was paused waits at its worker, not started. When
+    that worker stops, it hands the request back at once (the SDK's call sends it again through
+    the queue group, where another worker holds it until the resume) rather than holding its
+    drain for drain_timeout_s and leaving the call to its next ask (RLClient.reask_s, 10 s)."""
+    f, rl = await start_fleet(nats_server.url, prefix + "-handback", ["d5", "d6"], model=MODEL, drain_timeout_s=30.0)
+    stopping: asyncio.Task[None] | None = None
+    try:
+        await rl.pause("abort")
+        task = asyncio.create_task(rl.generate([1, 2, 3], 8, timeout=20.0))
+        await eventually(lambda: sum(w.engine.status().waiting for w in f.workers.values()) == 1, what="held")
+        took = next(wid for wid, w in f.workers.items() if w.engine.status().waiting == 1)
+        other = f.workers[next(wid for wid in f.workers if wid != took)]
+
+        stopping = asyncio.create_task(f.stop(f.workers[took]))
+        await eventually(lambda: other.engine.status().waiting == 1, timeout=5, what="handed back, held by the other")
+        await asyncio.wait_for(stopping, 5)  # nothing of its own left to drain
+        assert not task.done(), "still held: the fleet is paused"
+
+        await rl.resume()
+        reply = await asyncio.wait_for(task, 10)
+        assert reply.worker_id == other.id and reply.finish_reason == "length" and len(reply.tokens) == 8
+    finally:
+        if stopping is not None:
+            await asyncio.gather(stopping, return_exceptions=True)
+        await rl.close()
+        await f.close()
+
+
+async def test_a_plain_client_gets_a_typed_unavailable_for_a_request_a_stopping_worker_never_started(
+    nats_server, prefix
+):
+    """Without the SDK's header (Rlbus-Sends-Again) the hand-back is the answer: UNAVAILABLE,
+    saying the request was not started and may be sent again."""
+    subjects = Subjects(prefix=prefix + "-handback-plain")
+    f, rl = await start_fleet(nats_server.url, subjects.prefix, ["d7"], model=MODEL, drain_timeout_s=30.0)
+    try:
+        await rl.pause("abort")
+        payload = encode(GenerateRequest(prompt_tokens=[1, 2, 3], max_tokens=4, request_id="plain-1"))
+        asked = asyncio.create_task(rl.nc.request(subjects.generate, payload, timeout=10))
+        await eventually(lambda: f.workers["d7"].engine.status().waiting == 1, what="held")
+
+        await asyncio.wait_for(f.stop(f.workers["d7"]), 5)
+
+        msg = await asyncio.wait_for(asked, 5)
+        with pytest.raises(rlbus.Unavailable, match="not started"):
+            expect_reply(msg, "generate", GenerateReply, generate_reply_decoder)
+    finally:
+        await rl.close()
+        await f.close()
+
+
+async def test_sigterm_to_a_worker_process_holding_a_paused_request_hands_it_to_another_at_once(nats_server, prefix):
+    """The process view: `rlbus worker` processes, the fleet paused, a generate held by one of
+    them, SIGTERM to that one. It exits well within its drain timeout (10 s: it holds nothing
+    that runs), and the other worker holds the request until the resume, then answers it."""
+    p = prefix + "-handback-proc"
+    shape = ["--vocab-size", "64", "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "64"]
+    procs = ProcessFleet(
+        nats_server.url, 2, ["--prefix", p, "--heartbeat", "0.25", *shape], ["--prefix", p, "--liveness-timeout", "1.5"]
+    )
+    procs.start()
+    rl = await RLClient.connect(nats_server.url, prefix=p, timeout=30.0)
+
+    stopped: set[str] = set()
+
+    async def waiting() -> dict[str, int]:
+        if not stopped:
+            procs.check_alive()
+        try:
+            return {w.worker_id: w.state.waiting for w in (await rl.server_info()).workers}
+        except rlbus.RLBusError:
+            return {}
+
+    try:
+        await eventually(lambda: _count(waiting(), 2), timeout=90, interval=0.1, what="both worker processes joined")
+        await rl.pause("abort")
+        task = asyncio.create_task(rl.generate([1, 2, 3], 8, timeout=60.0))
+        held = await eventually(lambda: _holder(waiting()), timeout=30, interval=0.05, what="held by one worker")
+        other = next(wid for wid in await waiting() if wid != held)
+
+        began = time.monotonic()
+        stopped.add(held)
+        procs.procs[held].send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(procs.procs[held].wait, 30)
+        assert code == 0, f"the worker exited with {code}"
+        assert time.monotonic() - began < 8, "its drain waited for the request it held (10 s drain timeout)"
+        assert await eventually(lambda: _holder(waiting()), timeout=10, interval=0.05) == other
+
+        await rl.resume()
+        reply = await asyncio.wait_for(task, 30)
+        assert reply.worker_id == other and reply.finish_reason == "length" and len(reply.tokens) == 8
+    finally:
+        await rl.close()
+        procs.stop()
+
+
+async def _count(states: Awaitable[dict[str, int]], n: int) -> bool:
+    return len(await states) == n
+
+
+async def _holder(states: Awaitable[dict[str, int]]) -> str | None:
+    """The one worker that holds a request, if one does."""
+    holding = [wid for wid, waiting in (await states).items() if waiting == 1]
+    return holding[0] if len(holding) == 1 else None
 
 
 async def test_graceful_stop_of_the_controller_answers_a_pause_in_flight(nats_server, prefix):

@@ -87,3 +87,18 @@ async def test_kept_replies_expire_by_age_and_by_count(monkeypatch):
     for rid in ("a", "b", "c"):
         await gens.run(rid, work)
     assert gens.answered("a") is None and gens.answered("c") is not None
+
+
+async def test_a_run_that_ends_with_no_reply_is_kept_nowhere_and_the_next_send_runs_it():
+    """A worker that stops hands back a request it never started (its work answers None): that
+    is no reply to keep, so a send of the id that comes after it runs the request."""
+    gens = G.Generations()
+
+    async def not_started() -> bytes | None:
+        return None
+
+    assert await gens.run("r1", not_started) is None
+    assert "r1" not in gens and gens.answered("r1") is None
+    work = Work()
+    work.release.set()
+    assert await gens.run("r1", work) == b"reply 1"

@@ -10,6 +10,7 @@ import torch
 from rlbus.schemas import GenerateReply, GenerateRequest
 from rlbus.schemas.errors import FailedPrecondition, InvalidArgument
 from rlbus.services.worker.book import Book
+from rlbus.services.worker.engine import NotStarted
 from rlbus.services.worker.reference_engine import ReferenceEngine
 
 from rlbus.models.tinylm import ModelConfig
@@ -208,6 +209,32 @@ async def test_a_request_queued_for_a_free_slot_does_not_start_while_paused():
     assert engine.status().in_flight == 0
     await engine.resume()
     assert (await queued).finish_reason == "length"
+
+
+async def test_hand_back_ends_every_request_held_and_not_started_and_leaves_running_ones_alone():
+    """A worker that stops hands back what the engine holds and never started: a request held by
+    the pause, one queued for the busy slot (once it gets the slot), one arriving after; the
+    frozen one runs on."""
+    engine = ReferenceEngine(CFG, max_concurrency=1)
+    (frozen,) = start(engine, PROMPTS[:1])
+    await running(engine, 1)
+    (queued,) = start(engine, PROMPTS[1:2], max_tokens=6)
+    await eventually(lambda: engine._slot_free.statistics().tasks_waiting == 1, what="one queued for the slot")
+    await engine.pause("keep")
+    (held,) = start(engine, PROMPTS[2:], max_tokens=6)
+    await eventually(lambda: engine.status().waiting == 1, what="one held by the pause")
+
+    engine.hand_back()
+
+    with pytest.raises(NotStarted, match="not started"):
+        await held
+    with pytest.raises(NotStarted):
+        await engine.generate(request(max_tokens=2))
+    assert engine.status().waiting == 0 and not frozen.done() and not queued.done()
+    await engine.resume()
+    assert (await frozen).finish_reason == "length"
+    with pytest.raises(NotStarted):
+        await queued
 
 
 async def test_pause_and_resume_are_idempotent(engine):
