@@ -180,12 +180,14 @@ of a run still under way gets this word again (the run's reply goes to the reply
 send of the call shares). Not an answer: the call waits on."""
 
 HANDED_BACK_HEADER = "Rlbus-Handed-Back"
-"""Header of a message with no body a stopping worker sends to a generate's reply subject (one
-whose request carried SENDS_AGAIN_HEADER) for a request it holds and has not started: one that
-arrived while the fleet was paused, or sent again to it after it began to stop. Nothing of it
-ran there and nothing will: the caller sends it again through the queue group at once, where
-another worker takes it (held there too while the fleet is paused). Without SENDS_AGAIN_HEADER
-the caller gets UNAVAILABLE instead, saying the request was not started."""
+"""Header of a message with no body a worker sends to a generate's reply subject (one whose
+request carried SENDS_AGAIN_HEADER) for a request it will not start: as it stops, one it holds
+(arrived while the fleet was paused, queued for a free slot) or one sent again to it that it
+does not know; or one that reached it as it left the queue group (withheld, or cut off from its
+controller). Nothing of it ran there: the caller sends it again through the queue group (at
+once the first time, after a growing pause from 50 ms the next), where another worker takes it
+(and holds it while the fleet is paused). Without SENDS_AGAIN_HEADER the caller gets
+UNAVAILABLE instead, saying the request was not started."""
 
 FIRST_SEND_HEADER = "Rlbus-First-Send"
 """Request header, "1" on the first send of a command whose id the sender made for that send

@@ -155,6 +155,9 @@ class Call:
         self.reask_s = reask_s
         """While resend_to is known and no answer came: the gap before it is asked again (doubled
         each time, up to REASK_MAX times this)."""
+        self.handed_back = 0
+        """Times a worker handed the call back: the first is sent on at once, later ones after a
+        growing pause (a worker that left the queue group may still get a send or two)."""
         self._back: asyncio.Future[None] | None = None
         """Set when the worker that held the call handed it back, not started (HANDED_BACK_HEADER):
         the waiting ask sends it through the queue group again at once."""
@@ -216,6 +219,9 @@ class Call:
                     break
                 if back.done():  # handed back, not started: through the queue group, now
                     back = self._back = loop.create_future()
+                    self.handed_back += 1
+                    if self.handed_back > 1:  # back-off between retries (a worker still leaving the group)
+                        await asyncio.sleep(min(0.05 * 2 ** (self.handed_back - 2), 0.5, max(0.0, end - loop.time())))
                     self.sent += 1
                     redirected, asked = False, loop.time()
                     await nc.publish(subject, payload, reply=prefix + self.token, headers=self._headers)

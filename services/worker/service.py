@@ -578,12 +578,10 @@ class WorkerService:
             return
         ours = again and rid is not None and rid in self._generations
         if again and not ours and self._stop.is_set():  # stopping: no new run here
-            await self._send_hand_back(req)
+            await self._send_hand_back(req, f"worker {self.id} is stopping")
             return
         if not ours and (self.book.withheld or self._silent_too_long()):  # delivered before it left the queue group
-            await req.respond(
-                encode(Unavailable(f"worker {self.id} is not serving (rejoining the fleet); retry").to_nack())
-            )
+            await self._send_hand_back(req, f"worker {self.id} is not serving (rejoining the fleet)")
             return
         if rid is not None and not again and (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
             await self._say_where(req, rid)
@@ -600,24 +598,21 @@ class WorkerService:
         async def answer() -> bytes | Reply:
             # a send that finds a run of its request id under way waits for it
             reply = await self._generations.run(rid, work)
-            return reply if reply is not None else self._hand_back(req)
+            return reply if reply is not None else self._hand_back(req, f"worker {self.id} is stopping")
 
         self._endpoints.spawn(req, answer)
 
-    def _hand_back(self, req: Request) -> Reply:
-        """The answer to a generate this worker holds and will not start, as it stops: the word
-        that sends it through the queue group again at once (HANDED_BACK_HEADER) to a caller
-        that understands it (SENDS_AGAIN_HEADER), else UNAVAILABLE saying it was not started."""
+    def _hand_back(self, req: Request, why: str) -> Reply:
+        """The answer to a generate this worker will not start (it stops, or it left the queue
+        group as this one was delivered): the word that sends it through the queue group again
+        at once (HANDED_BACK_HEADER) to a caller that understands it (SENDS_AGAIN_HEADER), else
+        UNAVAILABLE saying `why` it was not started."""
         if (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
             return Reply(b"", {HANDED_BACK_HEADER: "1"})
-        return Reply(
-            encode(
-                Unavailable(f"worker {self.id} is stopping: the request was not started there; send it again").to_nack()
-            )
-        )
+        return Reply(encode(Unavailable(f"{why}: the request was not started there; send it again").to_nack()))
 
-    async def _send_hand_back(self, req: Request) -> None:
-        reply = self._hand_back(req)
+    async def _send_hand_back(self, req: Request, why: str) -> None:
+        reply = self._hand_back(req, why)
         try:
             await req.respond(reply.data, headers=reply.headers)
         except Exception as e:  # a dead link: the caller asks elsewhere after its gap all the same

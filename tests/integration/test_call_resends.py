@@ -9,7 +9,7 @@ import asyncio
 
 import nats.errors
 import pytest
-from rlbus.schemas import RESEND_TO_HEADER
+from rlbus.schemas import HANDED_BACK_HEADER, RESEND_TO_HEADER
 
 from rlbus.bus.connection import connect
 from rlbus.bus.replies import ReplyInbox
@@ -72,6 +72,43 @@ async def test_a_call_never_told_where_to_send_again_is_not_sent_again_when_its_
         await caller.publish(SUBJECT, b"marker")  # delivered after any send of the call's
         await eventually(lambda: b"marker" in deliveries, timeout=10, what="the marker")
         assert deliveries == [b"generate", b"marker"], "sent once"
+        call.close()
+        await inbox.close()
+    finally:
+        await caller.close()
+        await server.close()
+
+
+async def test_a_call_handed_back_goes_through_the_queue_group_again_at_once_and_waits_on_later_hand_backs(nats_server):
+    """A worker that will not start a generate (it stops, or left the queue group as the send
+    reached it) hands it back (HANDED_BACK_HEADER). The call forgets where it was told to send
+    again and sends through the queue group: at once the first time, after a growing pause
+    (from 50 ms) the next ones, so a worker still leaving the group is not asked in a loop."""
+    server = await connect(nats_server.url, name="hands-back-twice")
+    caller = await connect(nats_server.url, name="caller")
+    deliveries: list[tuple[str, float]] = []
+    loop = asyncio.get_running_loop()
+
+    async def on_request(msg) -> None:
+        deliveries.append((msg.subject, loop.time()))
+        if len(deliveries) == 1:
+            await server.publish(msg.reply, b"", headers={RESEND_TO_HEADER: GONE})
+        if len(deliveries) <= 3:
+            await server.publish(msg.reply, b"", headers={HANDED_BACK_HEADER: "1"})
+        else:
+            await msg.respond(b"answered")
+
+    await server.subscribe(SUBJECT, queue="q", cb=on_request)
+    await server.flush()
+    try:
+        inbox = ReplyInbox(caller)
+        call = inbox.call(redirects=True, reask_s=30.0)  # no re-ask within the test: only hand-backs send again
+        msg = await asyncio.wait_for(call.ask(SUBJECT, b"generate", 20), 10)
+        assert msg.data == b"answered"
+        assert [s for s, _ in deliveries] == [SUBJECT] * 4 and call.handed_back == 3
+        assert call.resend_to is None, "the word of where it ran is forgotten with the hand-back"
+        gaps = [b - a for (_, a), (_, b) in zip(deliveries, deliveries[1:])]
+        assert gaps[1] >= 0.05 and gaps[2] >= 0.1, f"later hand-backs wait before sending again: {gaps}"
         call.close()
         await inbox.close()
     finally:

@@ -8,8 +8,12 @@ import time
 from collections.abc import Awaitable
 
 import pytest
+from nats.aio.msg import Msg
+from nats.micro.request import Request
 from rlbus.schemas import (
+    HANDED_BACK_HEADER,
     RESEND_TO_HEADER,
+    SENDS_AGAIN_HEADER,
     FleetAck,
     GenerateReply,
     GenerateRequest,
@@ -247,6 +251,38 @@ async def test_sigterm_to_a_worker_process_holding_a_paused_request_hands_it_to_
     finally:
         await rl.close()
         procs.stop()
+
+
+async def test_a_generate_reaching_a_worker_as_it_leaves_the_queue_group_is_handed_back_not_refused(
+    nats_server, prefix, monkeypatch
+):
+    """A worker that stops serving (withheld, or silent too long) leaves the queue group, and a
+    send can reach it on the way: it hands the request back (the SDK sends it on, through the
+    queue group) rather than answer the caller with an error; a plain caller gets UNAVAILABLE
+    saying it was not started."""
+    f, rl = await start_fleet(nats_server.url, prefix + "-handback-leaving", ["d10"], model=MODEL)
+    w = f.workers["d10"]
+    monkeypatch.setattr(w, "_silent_too_long", lambda: True)  # lost its controller: not serving
+    payload = encode(GenerateRequest(prompt_tokens=[1, 2, 3], max_tokens=4, request_id="leaving-1"))
+    got: asyncio.Queue = asyncio.Queue()
+    inbox = rl.nc.new_inbox()
+    sub = await rl.nc.subscribe(inbox, cb=got.put)
+    try:
+        for headers in ({SENDS_AGAIN_HEADER: "1"}, None):
+            # delivered as it leaves the queue group: straight to its handler
+            msg = Msg(rl.nc, subject=rl.subjects.generate, reply=inbox, data=payload, headers=headers)
+            await w._generate(Request(msg), again=False)
+            answer = await asyncio.wait_for(got.get(), 5)
+            if headers:
+                assert answer.headers == {HANDED_BACK_HEADER: "1"} and answer.data == b""
+            else:
+                with pytest.raises(rlbus.Unavailable, match=r"not serving .*: the request was not started there"):
+                    expect_reply(answer, "generate", GenerateReply, generate_reply_decoder)
+        assert w.engine.status().in_flight == 0 and "leaving-1" not in w._generations
+    finally:
+        await sub.unsubscribe()
+        await rl.close()
+        await f.close()
 
 
 async def _count(states: Awaitable[dict[str, int]], n: int) -> bool:
