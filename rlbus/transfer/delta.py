@@ -35,6 +35,7 @@ import numpy as np  # matplotlib's dependency, so always there; its 1-D integer 
 import torch
 
 from rlbus.schemas import DeltaIndex, ParamMeta
+from rlbus.transfer.arena import Arena
 from rlbus.transfer.base import PlanError
 from rlbus.transfer.buckets import (
     VALUES_ALIGN,
@@ -405,12 +406,15 @@ Pages it does not write are never touched; the blobs are views of it."""
 
 class _Many(threading.local):
     """A compare thread's scratch for :func:`diff_many`, kept between calls: the xxh3 states
-    (one a tensor of a call), the values scratch per element width, the kernel's word list."""
+    (one a tensor of a call), the values scratch per element width, the kernel's word list, the
+    blob buffers (rlbus.transfer.arena)."""
 
     def __init__(self) -> None:
         self.states: list[NativeXxh3] = []
         self.values: dict[int, np.ndarray] = {}
         self.words: np.ndarray | None = None
+        self.arena = Arena()
+        """The buffers its blobs are written into, reused once their blobs are gone."""
 
     def state_list(self, n: int, lib: NativeXxh3) -> list[NativeXxh3]:
         while len(self.states) < n:
@@ -523,7 +527,7 @@ def _diff_width(
     first = 0
     while first < n:
         cap = int(min(most[first:].sum(), max(BLOB_CHUNK, most[first])))
-        out = torch.empty(cap, dtype=torch.uint8)
+        out = _many.arena.lend(cap)
         stop = scan_many(
             new_at,
             old_at,
@@ -548,6 +552,13 @@ def _diff_width(
             i = idx[j]
             done.add(i)
             results[i] = _kept(items[i], int(counts[j]), out, int(offsets[j]), states[j])
+        # how far it wrote: a blob's end, or for one past its limit the positions it got to
+        span = np.where(
+            counts[first:stop] >= 0,
+            4 * counts[first:stop] + 8 + counts[first:stop] * itemsize,
+            4 * (limits[first:stop] + lanes),
+        )
+        _many.arena.wrote(out, int((offsets[first:stop] + span).max(initial=0)))
         first = stop
 
 
