@@ -308,7 +308,8 @@ class Engine(abc.ABC):
     def hand_back(self) -> None:
         """The worker stops: every new request held here and not started (arrived while paused,
         or waiting for the model) ends at once with NotStarted, and so does any that comes after,
-        so that its caller can send it to another worker (a drain waits only for what runs)."""
+        so that its caller can send it to another worker (a drain waits only for what runs).
+        For good: the engine of a stopped worker takes no new request after it."""
         self._handing_back = True
         self._changes.notify()
 
