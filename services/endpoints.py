@@ -595,9 +595,9 @@ class Endpoints:
                         answer = await self.replies.run_in_memory(command_id, print_, handled, cmd)
                     except RLBusError as e:  # the id used for another command
                         answer = encode(e.to_nack())
-                    await self._send(req, answer)
+                    await self.send(req, answer)
                     return
-                await self._send(req, await self._answer(route, handled, cmd, print_, gate))
+                await self.send(req, await self._answer(route, handled, cmd, print_, gate))
                 if self.replies.unsettled(command_id):  # never wait inside the callback
                     self._tg.start_soon(self.replies.settle, command_id)
             else:
@@ -711,7 +711,8 @@ class Endpoints:
             log.exception("%s: %s: keeping its answer failed", self._name, type(cmd).__name__)
             return encode(Internal(f"{self._name}: {type(e).__name__}: {e}").to_nack())
 
-    async def _send(self, req: Request, data: bytes | Reply) -> None:
+    async def send(self, req: Request, data: bytes | Reply) -> None:
+        """Answer `req` (with headers for a Reply); a closed connection is logged, never raised."""
         try:
             if isinstance(data, Reply):
                 await req.respond(data.data, headers=data.headers)
@@ -724,7 +725,7 @@ class Endpoints:
         """Run `work`, reply with its answer, then wait for the durable store to acknowledge the
         answer it was sent ahead of the reply (a drain waits for that too)."""
         try:
-            await self._send(req, await work())
+            await self.send(req, await work())
             await self.replies.settle(command_id)
         finally:
             self._in_flight -= 1

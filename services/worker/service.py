@@ -578,10 +578,12 @@ class WorkerService:
             return
         ours = again and rid is not None and rid in self._generations
         if again and not ours and self._stop.is_set():  # stopping: no new run here
-            await self._send_hand_back(req, f"worker {self.id} is stopping")
+            await self._endpoints.send(req, self._hand_back(req, f"worker {self.id} is stopping"))
             return
         if not ours and (self.book.withheld or self._silent_too_long()):  # delivered before it left the queue group
-            await self._send_hand_back(req, f"worker {self.id} is not serving (rejoining the fleet)")
+            await self._endpoints.send(
+                req, self._hand_back(req, f"worker {self.id} is not serving (rejoining the fleet)")
+            )
             return
         if rid is not None and not again and (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
             await self._say_where(req, rid)
@@ -610,13 +612,6 @@ class WorkerService:
         if (req.headers or {}).get(SENDS_AGAIN_HEADER) == "1":
             return Reply(b"", {HANDED_BACK_HEADER: "1"})
         return Reply(encode(Unavailable(f"{why}: the request was not started there; send it again").to_nack()))
-
-    async def _send_hand_back(self, req: Request, why: str) -> None:
-        reply = self._hand_back(req, why)
-        try:
-            await req.respond(reply.data, headers=reply.headers)
-        except Exception as e:  # a dead link: the caller asks elsewhere after its gap all the same
-            log.debug("worker %s: could not hand a generate back: %s", self.id, e)
 
 
 def _tags(tags: list | None) -> list:
